@@ -1,0 +1,32 @@
+"""jstd: HuggingFace transformers in JAX, with every interpretability value a named, standard site.
+
+    model = jstd.load("path/or/org-repo")
+    out = jax.jit(jstd.run, static_argnames="reads")(model, tokens, edits, reads=("layers.layer_output",))
+"""
+
+from jstd.interventions.edits import Add, Apply, Edit, Scale, Set, Zero
+from jstd.io.load import load
+from jstd.io.safetensors import CheckpointError
+from jstd.models.base import logical_axes
+from jstd.run import Outputs, project_on_vocab, run
+from jstd.sites import SITES, Site, SiteError
+
+
+def load_processor(path_or_repo_id):
+    """The checkpoint's HuggingFace tokenizer or processor (use ``return_tensors="np"``)."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from jstd.io.hub import resolve
+
+    folder = resolve(path_or_repo_id)
+    try:
+        return AutoProcessor.from_pretrained(folder)
+    except Exception:
+        return AutoTokenizer.from_pretrained(folder)
+
+
+__all__ = [
+    "load", "load_processor", "run", "Outputs", "project_on_vocab",
+    "Edit", "Set", "Add", "Scale", "Zero", "Apply",
+    "SITES", "Site", "SiteError", "CheckpointError", "logical_axes",
+]

@@ -1,0 +1,1 @@
+"""Interventions: edits, and (later) patching, steering, lens and attribution built on them."""

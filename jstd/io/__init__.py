@@ -1,0 +1,1 @@
+"""Loading: hub/local resolution, safetensors streaming, name maps."""

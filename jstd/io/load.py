@@ -1,0 +1,124 @@
+"""``jstd.load``: a HuggingFace checkpoint as a jstd model, streamed tensor by tensor."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jstd.io.hub import resolve
+from jstd.io.safetensors import CheckpointError, SafetensorsFiles
+
+
+def hf_config(folder: Path):
+    """config.json parsed by transformers' AutoConfig."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def family_for(hf):
+    from jstd.models import FAMILIES
+
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; jstd supports: {', '.join(sorted(FAMILIES))}"
+        )
+    return FAMILIES[model_type]
+
+
+def default_dtype(hf):
+    name = str(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32").replace("torch.", "")
+    return jnp.dtype(name)
+
+
+def _get(tree, path: str):
+    for part in path.split("."):
+        tree = getattr(tree, part)
+    return tree
+
+
+def load(path_or_repo_id, *, dtype=None):
+    """Load a checkpoint (local folder or hub repo id) as a jstd model.
+
+    ``dtype`` casts every parameter (``jnp.float32``, ``jnp.bfloat16``, …);
+    None keeps the dtype the config states (float32 when it states none).
+    Tensors stream one at a time into the stacked parameter arrays: peak memory
+    is the model plus one stacked parameter. The source is never written.
+
+    Raises ValueError for an unsupported model_type (listing the supported
+    ones) and CheckpointError naming the file and key for a missing, extra,
+    misshapen or truncated tensor.
+    """
+    folder = resolve(path_or_repo_id)
+    hf = hf_config(folder)
+    family = family_for(hf)
+    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype(hf)
+    files = SafetensorsFiles(folder)
+    skeleton = family.skeleton(hf, dtype)
+    entries = [e for e in family.name_map(hf) if _get(skeleton, e.path) is not None]
+    num_layers = family.standard_config(hf).num_layers
+    expected = {e.key.format(i=i) for e in entries for i in (range(num_layers) if e.stacked else [0])}
+    missing = sorted(expected - files.keys())
+    if missing:
+        raise CheckpointError(
+            f"{folder.name}: missing tensor {missing[0]!r}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            + f" (the {family.family} name map expects it; files: {', '.join(sorted({files.where(k) for k in files.keys()}))})"
+        )
+    extra = sorted(k for k in files.keys() - expected if not any(_matches(k, pat) for pat in family.ignored(hf)))
+    if extra:
+        raise CheckpointError(
+            f"unexpected tensor {extra[0]!r} in {files.where(extra[0])}"
+            + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
+            + f": the {family.family} family has no parameter for it (is the config's model_type right?)"
+        )
+    leaves = [_read(files, e, _get(skeleton, e.path), num_layers) for e in entries]
+    model = _replace(skeleton, [e.path for e in entries], leaves)
+    unfilled = [p for p, leaf in _paths(model) if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if unfilled:
+        raise RuntimeError(f"{family.family} name map leaves parameters unfilled: {unfilled}")
+    return model
+
+
+def _matches(key: str, pattern: str) -> bool:
+    import fnmatch
+
+    return fnmatch.fnmatchcase(key, pattern)
+
+
+def _read(files: SafetensorsFiles, entry, leaf: jax.ShapeDtypeStruct, num_layers: int):
+    np_dtype = np.dtype(leaf.dtype)
+    if entry.stacked:
+        buf = np.empty(leaf.shape, np_dtype)
+        for i in range(num_layers):
+            buf[i] = _checked(files, entry, entry.key.format(i=i), leaf.shape[1:])
+    else:
+        buf = np.asarray(_checked(files, entry, entry.key, leaf.shape), np_dtype)
+    return jnp.asarray(buf)
+
+
+def _checked(files, entry, key, want):
+    t = entry.transform(files.read(key))
+    if t.shape != tuple(want):
+        raise CheckpointError(
+            f"tensor {key!r} in {files.where(key)} has shape {files.shape(key)}, "
+            f"which maps to {t.shape}; the config implies {tuple(want)} for {entry.path}"
+        )
+    return t
+
+
+def _replace(tree, paths, leaves):
+    import equinox as eqx
+
+    getters = [functools.partial(_get, path=p) for p in paths]
+    return eqx.tree_at(lambda t: [g(t) for g in getters], tree, leaves)
+
+
+def _paths(tree):
+    return [(jax.tree_util.keystr(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))[0]]

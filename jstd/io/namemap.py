@@ -1,0 +1,45 @@
+"""Declarative name maps: HuggingFace tensor names to a family's parameter tree.
+
+An ``Entry`` says: the tensor ``key`` (with ``{i}`` for the block index on
+stacked parameters) fills the skeleton leaf at ``path`` after ``transform``
+(a numpy function from the stored layout to jstd's). Transforms are views where
+possible; the loader copies each one once, into its slot of the stacked array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    key: str
+    path: str
+    transform: Callable[[np.ndarray], np.ndarray] = lambda w: w
+
+    @property
+    def stacked(self) -> bool:
+        return "{i}" in self.key
+
+
+def linear(w):
+    """torch Linear weight [out, in] -> [in, out]."""
+    return w.T
+
+
+def split_out(heads: int):
+    """[heads*dim, in] -> [in, heads, dim]: a projection into heads."""
+    return lambda w: w.reshape(heads, -1, w.shape[-1]).transpose(2, 0, 1)
+
+
+def split_in(heads: int):
+    """[out, heads*dim] -> [heads, dim, out]: a projection out of heads."""
+    return lambda w: w.reshape(w.shape[0], heads, -1).transpose(1, 2, 0)
+
+
+def split(heads: int):
+    """[heads*dim] -> [heads, dim]: a per-head bias."""
+    return lambda b: b.reshape(heads, -1)

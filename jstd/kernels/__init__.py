@@ -1,0 +1,1 @@
+"""Numerical kernels (plain JAX and Pallas) shared by model families."""

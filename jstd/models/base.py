@@ -1,0 +1,114 @@
+"""What every family shares: the model protocol, parameter fields with logical axes."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Float, Int
+
+from jstd.config import ModelConfig
+
+
+def param(*axes: str):
+    """A parameter field whose array carries logical axis names (for sharding rules).
+
+    The names are the array's axes in order; blocks stacked for the scan get a
+    leading ``layers`` axis (see ``logical_axes``).
+    """
+    return eqx.field(metadata={"axes": tuple(axes)})
+
+
+def stacked():
+    """A field holding blocks stacked on a leading ``layers`` axis."""
+    return eqx.field(metadata={"stacked": True})
+
+
+def logical_axes(module: eqx.Module):
+    """A pytree shaped like ``module`` whose leaves are ``PartitionSpec``s of logical axis names.
+
+    ``("layers", "embed", "heads", "head_dim")`` for a stacked query projection,
+    and so on. A sharding rule maps these names to mesh axes, so families never
+    change when sharding is added.
+    """
+    import dataclasses
+
+    from jax.sharding import PartitionSpec
+
+    def spec(path, leaf):
+        node, prefix, axes = module, (), None
+        for key in path:
+            name = key.name
+            field = {f.name: f for f in dataclasses.fields(node)}[name]
+            if field.metadata.get("stacked"):
+                prefix += ("layers",)
+            axes = field.metadata.get("axes")
+            node = getattr(node, name)
+        if axes is None:
+            raise ValueError(f"parameter {jax.tree_util.keystr(path)} declares no logical axes")
+        return PartitionSpec(*(prefix + axes))
+
+    return jax.tree_util.tree_map_with_path(spec, module)
+
+
+class Family(eqx.Module):
+    """A loaded model. Subclasses are families: data (arrays) plus a forward.
+
+    A family declares the ``model_types`` it serves, the ``sites`` it computes
+    (with reasons for the standard sites it does not), a ``skeleton`` whose
+    leaves are the parameters' shapes, a ``name_map`` from HuggingFace keys to
+    that tree, and a ``forward`` that passes every standard value through taps.
+    """
+
+    config: ModelConfig = eqx.field(static=True)
+
+    family: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    sites: ClassVar[frozenset[str]]
+
+    def forward(self, tokens: Int[Array, "batch seq"], tap, attention_mask) -> Float[Array, "batch seq vocab"]:
+        raise NotImplementedError
+
+    def project_on_vocab(self, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
+        raise NotImplementedError
+
+    def layers_with(self, host: str) -> tuple[int, ...]:
+        """The indices of the blocks that have ``host`` (``self_attn``, ``mlp``, ``linear_attn``)."""
+        raise NotImplementedError
+
+    def unavailable(self, site: str) -> str:
+        """Why this family does not serve ``site`` (nnterp's 'Unavailable')."""
+        from jstd.sites import SITES
+
+        host = SITES[site].host
+        if SITES[site].family and SITES[site].family != self.family:
+            return f"{site} is specific to the {SITES[site].family} family"
+        if host.startswith("layers.") and not self.layers_with(host.split(".", 1)[1]):
+            return f"{self.family} blocks have no {host.split('.', 1)[1]}"
+        if host.split(".")[0] in ("vision", "projector"):
+            return f"{self.family} is a text model: it has no vision tower or projector"
+        return f"{self.family} does not compute {site}"
+
+    @classmethod
+    def standard_config(cls, hf) -> ModelConfig:
+        raise NotImplementedError
+
+    @classmethod
+    def skeleton(cls, hf, dtype) -> "Family":
+        """The model with ``jax.ShapeDtypeStruct`` leaves (the shapes the loader fills)."""
+        raise NotImplementedError
+
+    @classmethod
+    def name_map(cls, hf):
+        """The ``io.namemap.Entry`` list from HuggingFace keys to the skeleton."""
+        raise NotImplementedError
+
+    @classmethod
+    def ignored(cls, hf) -> tuple[str, ...]:
+        """Patterns (fnmatch) of checkpoint tensors the family knowingly does not use."""
+        return ()
+
+
+def shape(*dims, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(dims), dtype)

@@ -1,0 +1,167 @@
+"""``jstd.run``: tokens (and edits) in, logits and the values read out."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jstd.interventions.edits import as_edits
+from jstd.models.base import Family
+from jstd.sites import SITES, SiteError, near, parse
+from jstd.tap import Tap
+
+
+class Outputs(eqx.Module):
+    """What one call returns: ``logits`` always, ``out[site]`` for every site read.
+
+    ``out["layers.X"]`` is stacked over the blocks that have X's host, block
+    axis first; ``out["layers.5.X"]`` is block 5 alone.
+    """
+
+    logits: Float[Array, "batch seq vocab"]
+    values: dict[str, Array]
+
+    def __getitem__(self, site: str) -> Array:
+        if site == "logits":
+            return self.logits
+        if site not in self.values:
+            raise KeyError(
+                f"{site!r} was not read on this call; pass reads=(..., {site!r}) to jstd.run "
+                f"(read: {', '.join(self.values) or 'nothing'})"
+            )
+        return self.values[site]
+
+    def __contains__(self, site: str) -> bool:
+        return site == "logits" or site in self.values
+
+    def keys(self):
+        return self.values.keys()
+
+
+def check_sites(model: Family, names: Sequence[str], what: str) -> None:
+    """Raise SiteError for a name the model does not serve, saying why and listing near names."""
+    for name in names:
+        base, index = parse(name)
+        if base not in model.sites:
+            hint = near(base, model.sites)
+            raise SiteError(
+                f"{what} {name!r} is unavailable on this {model.family} model: {model.unavailable(base)}."
+                + (f" Nearest names it has: {', '.join(hint)}." if hint else "")
+            )
+        if index is not None:
+            host = SITES[base].host.split(".", 1)[1] if "." in SITES[base].host else ""
+            blocks = model.layers_with(host)
+            L = model.config.num_layers
+            if not -L <= index < L or index % L not in blocks:
+                raise SiteError(
+                    f"{what} {name!r}: block {index} does not exist or has no {SITES[base].host}; "
+                    f"blocks with it: {_ranges(blocks)}"
+                )
+
+
+def _ranges(blocks):
+    return f"{blocks[0]}..{blocks[-1]}" if blocks and list(blocks) == list(range(blocks[0], blocks[-1] + 1)) else str(list(blocks))
+
+
+def check_tokens(tokens, vocab_size: int):
+    """Token ids outside [0, vocab_size) raise here, before the embedding gather clamps them.
+
+    Concrete ids raise a ValueError at once; traced ids (under jit) raise an
+    equinox runtime error when the compiled call runs.
+    """
+    msg = f"token ids must lie in [0, {vocab_size}) for this model's vocabulary; check the tokenizer matches the checkpoint"
+    if not isinstance(tokens, jax.core.Tracer):
+        t = np.asarray(tokens)
+        if t.size and (t.min() < 0 or t.max() >= vocab_size):
+            bad = t[(t < 0) | (t >= vocab_size)]
+            raise ValueError(f"token id {int(bad.flat[0])} is out of range: {msg}")
+        return jnp.asarray(tokens)
+    return eqx.error_if(tokens, (tokens < 0) | (tokens >= vocab_size), msg)
+
+
+def run(
+    model: Family,
+    tokens: Int[Array, "batch seq"],
+    edits=(),
+    *,
+    reads: Sequence[str] = (),
+    attention_mask: Int[Array, "batch seq"] | None = None,
+    images=None,
+) -> Outputs:
+    """Run ``model`` on ``tokens`` with ``edits`` applied; return logits and the sites in ``reads``.
+
+    ``jax.jit(jstd.run)(model, tokens, edits)`` works as written; ``reads`` is
+    static (``static_argnames="reads"``). Only what is read is materialized.
+    Edits apply in list order at their sites and everything downstream computes
+    from the edited value. Left-padded rows with ``attention_mask`` (zeros are
+    padding) give, at their real positions, the values of the unpadded prompt.
+
+    Raises SiteError for unknown, unavailable or read-only sites and edits that
+    do not fit their site, ValueError for token ids outside the vocabulary.
+    """
+    if not isinstance(model, Family):
+        raise TypeError(f"run takes a model from jstd.load, got {type(model).__name__}")
+    if images is not None:
+        raise ValueError(f"this {model.family} model is a text model and takes no images; drop images=")
+    if isinstance(reads, str):
+        reads = (reads,)
+    edits = as_edits(edits)
+    check_sites(model, reads, "read")
+    check_sites(model, [e.site for e in edits], "edit at")
+    for e in edits:
+        _check_layer(model, e)
+    tokens = jnp.asarray(tokens) if not isinstance(tokens, jax.core.Tracer) else tokens
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq] token ids, got shape {tokens.shape}; add a batch axis with tokens[None]")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+    if attention_mask is not None:
+        attention_mask = jnp.asarray(attention_mask)
+        if attention_mask.shape != tokens.shape:
+            raise ValueError(f"attention_mask has shape {attention_mask.shape}; it must match tokens' {tokens.shape}")
+    tokens = check_tokens(tokens, model.config.vocab_size)
+
+    bases = frozenset(parse(r)[0] for r in reads) | ({"logits"} if "next_token_probs" in reads else frozenset())
+    num_blocks = {h: len(model.layers_with(h.split(".", 1)[1])) for h in {s.host for s in SITES.values() if s.host.startswith("layers.")}}
+    num_blocks["layers"] = model.config.num_layers
+    tap = Tap(bases - {"next_token_probs"}, edits, model.config.num_layers, num_blocks)
+    logits, recorded = model.forward(tokens, tap, attention_mask)
+    left = tap.unapplied()
+    if left:
+        raise SiteError(f"edit at {left[0].site!r} was not applied: the {model.family} forward does not compute it on this call")
+
+    values = {}
+    for name in reads:
+        base, index = parse(name)
+        if base == "next_token_probs":
+            values[name] = jax.nn.softmax(logits[:, -1].astype(jnp.float32), axis=-1)
+        elif index is None:
+            values[name] = recorded[base]
+        else:
+            host = SITES[base].host
+            blocks = model.layers_with(host.split(".", 1)[1] if "." in host else "")
+            values[name] = recorded[base][blocks.index(index % model.config.num_layers)]
+    return Outputs(logits, values)
+
+
+def _check_layer(model: Family, edit) -> None:
+    layer = edit.layer
+    if layer is None or isinstance(layer, jax.core.Tracer):
+        return
+    if np.ndim(layer) != 0 or not np.issubdtype(np.asarray(layer).dtype, np.integer):
+        raise SiteError(f"{type(edit).__name__} at {edit.site}: layer must be one integer block index, got {layer!r}")
+    L = model.config.num_layers
+    host = SITES[edit.site].host
+    blocks = model.layers_with(host.split(".", 1)[1] if "." in host else "")
+    if not -L <= int(layer) < L or int(layer) % L not in blocks:
+        raise SiteError(f"{type(edit).__name__} at {edit.site}: block {int(layer)} does not exist or has no {host}; blocks with it: {_ranges(blocks)}")
+
+
+def project_on_vocab(model: Family, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
+    """The final norm, the head and whatever the family does after it: ``logit_lens`` exact at the last block."""
+    return model.project_on_vocab(hidden)

@@ -1,0 +1,174 @@
+"""The standard vocabulary: one table of every site jstd knows.
+
+A *site* is a named internal value of a transformer that interpretability work
+reads or writes. Its name is dotted and says where it lives (its *host*):
+``token_embeddings`` on the model, ``layers.layer_output`` on every block,
+``layers.self_attn.attention_queries`` inside a block's attention. Its layout
+names the axes of the value one host computes (per block for block sites).
+
+``"layers.X"`` addresses site X on every block that has its host (stacked,
+block axis first); ``"layers.5.X"`` addresses block 5 alone (negative indices
+count from the end). Everything else in jstd — the docs in ``docs/values.md``,
+the errors for unknown names, the edit checks — is derived from this table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One standard value.
+
+    name: the full dotted name without a block index (``layers.mlp.mlp_output``).
+    host: the part of the model that computes it (``model``, ``layers``,
+        ``layers.self_attn``, ``layers.mlp``, ``layers.linear_attn``, ``vision``…).
+    layout: the value's axes, in order, for one host (one block for block sites).
+    meaning: what the value is, in one or two sentences.
+    editable: whether edits may replace it; derived values are read-only.
+    family: the family that alone serves it, for family-specific sites; None for
+        the shared vocabulary.
+    """
+
+    name: str
+    host: str
+    layout: tuple[str, ...]
+    meaning: str
+    editable: bool = True
+    family: str | None = None
+
+    @property
+    def per_block(self) -> bool:
+        return self.host == "layers" or self.host.startswith("layers.")
+
+
+RESIDUAL = ("batch", "seq", "hidden")
+
+
+def _site(name, layout, meaning, editable=True, family=None):
+    host = name.rsplit(".", 1)[0] if "." in name else "model"
+    return Site(name, host, tuple(layout), meaning, editable, family)
+
+
+SITES: dict[str, Site] = {
+    s.name: s
+    for s in [
+        # the model
+        _site("token_embeddings", RESIDUAL, "The embedding lookup of the tokens; on most families what enters block 0 (a family that scales embeddings says so)."),
+        _site("final_norm_output", RESIDUAL, "The residual stream after the final norm, what the head reads."),
+        _site("lm_head_output", ("batch", "seq", "vocab"), "The head's logits, before anything the family does past the head (a scale, a softcap)."),
+        _site("logits", ("batch", "seq", "vocab"), "The logits the model returns, after anything it does past the head."),
+        _site("next_token_probs", ("batch", "vocab"), "The next-token distribution at the last position (softmax of logits in float32); derived, read-only.", editable=False),
+        # every block
+        _site("layers.layer_input", RESIDUAL, "The residual stream entering the block."),
+        _site("layers.attention_norm_output", RESIDUAL, "The normed stream entering the mixer (the output of the block's input norm)."),
+        _site("layers.layer_mid", RESIDUAL, "The residual stream after the mixer's add: layer_input + attention_output."),
+        _site("layers.mlp_norm_output", RESIDUAL, "The normed stream entering the MLP (the output of the MLP's input norm)."),
+        _site("layers.mlp_input", RESIDUAL, "What the MLP is called with."),
+        _site("layers.layer_output", RESIDUAL, "The residual stream leaving the block: layer_mid + mlp_output."),
+        # softmax attention
+        _site("layers.self_attn.attention_queries", ("batch", "heads", "seq", "qk_head_dim"), "The queries entering attention, after the rotary embedding where the family has one."),
+        _site("layers.self_attn.attention_keys", ("batch", "kv_heads", "seq", "qk_head_dim"), "The keys entering attention, after the rotary embedding, before the grouped-query repeat."),
+        _site("layers.self_attn.attention_values", ("batch", "kv_heads", "seq", "head_dim"), "The values entering attention, before the grouped-query repeat."),
+        _site("layers.self_attn.attention_scores", ("batch", "heads", "query", "key"), "The attention scores entering the softmax: scaled q·k with the causal and padding mask applied (masked entries hold the dtype's minimum)."),
+        _site("layers.self_attn.attention_probabilities", ("batch", "heads", "query", "key"), "The attention pattern the values are mixed with (softmax of the scores in float32, cast back)."),
+        _site("layers.self_attn.attention_head_outputs", ("batch", "seq", "heads", "head_dim"), "The per-head outputs of the attention, before the output projection."),
+        _site("layers.self_attn.attention_premix", ("batch", "seq", "heads", "head_dim"), "Every head's output side by side, as the output projection takes it."),
+        _site("layers.self_attn.attention_output", RESIDUAL, "What the attention adds to the residual stream."),
+        # the MLP
+        _site("layers.mlp.mlp_activation", ("batch", "seq", "mlp"), "The activation function's output."),
+        _site("layers.mlp.mlp_neurons", ("batch", "seq", "mlp"), "What the down projection receives: act(gate)·up on a gated MLP, the activation itself otherwise."),
+        _site("layers.mlp.mlp_output", RESIDUAL, "What the MLP adds to the residual stream."),
+        # the gated DeltaNet mixer (linear attention)
+        _site("layers.linear_attn.attention_queries", ("batch", "seq", "heads", "key_dim"), "The queries entering the delta rule (after the convolution and its activation, before the kernel's l2 norm)."),
+        _site("layers.linear_attn.attention_keys", ("batch", "seq", "heads", "key_dim"), "The keys entering the delta rule (after the convolution and its activation, before the kernel's l2 norm)."),
+        _site("layers.linear_attn.attention_values", ("batch", "seq", "heads", "value_dim"), "The values entering the delta rule."),
+        _site("layers.linear_attn.decays", ("batch", "seq", "heads"), "The per-token log decay of the recurrent state."),
+        _site("layers.linear_attn.betas", ("batch", "seq", "heads"), "The per-token write strength into the state."),
+        _site("layers.linear_attn.state_input", ("batch", "heads", "key_dim", "value_dim"), "The recurrent state entering the layer (zeros at the start of a prompt)."),
+        _site("layers.linear_attn.state_output", ("batch", "heads", "key_dim", "value_dim"), "The recurrent state leaving the layer."),
+        _site("layers.linear_attn.states", ("batch", "seq", "heads", "key_dim", "value_dim"), "The recurrent state after every token of the call; derived, read-only.", editable=False),
+        _site("layers.linear_attn.attention_head_outputs", ("batch", "seq", "heads", "value_dim"), "The per-head outputs of the delta rule, before the gated norm and the output projection."),
+        _site("layers.linear_attn.attention_output", RESIDUAL, "What the mixer adds to the residual stream."),
+        # vision-language wrappers
+        _site("vision.patch_embeddings", ("images", "patches", "vision_hidden"), "The vision tower's patch embeddings, before any class token or position embedding."),
+        _site("vision.layers.layer_input", ("images", "patches", "vision_hidden"), "The vision stream entering a vision block."),
+        _site("vision.layers.layer_output", ("images", "patches", "vision_hidden"), "The vision stream leaving a vision block."),
+        _site("vision.tower_output", ("images", "patches", "vision_hidden"), "The vision tower's output."),
+        _site("projector.input", ("images", "patches", "projector_in"), "What the projector reads."),
+        _site("projector.output", ("images", "tokens", "hidden"), "What the projector returns."),
+        _site("vision.image_features", ("image_tokens", "hidden"), "The image features the text model receives at the image tokens (read and edited at the scatter)."),
+        _site("vision.image_token_mask", ("batch", "seq"), "Which positions are image tokens; read-only.", editable=False),
+    ]
+}
+
+_INDEXED = re.compile(r"^(?P<prefix>(?:vision\.)?layers)\.(?P<index>-?\d+)\.(?P<rest>.+)$")
+
+
+class SiteError(ValueError):
+    """A site name that is unknown, unavailable on a family, or misused."""
+
+
+def near(name: str, candidates, n: int = 5) -> list[str]:
+    """The candidates closest to ``name`` (by spelling and by final component)."""
+    candidates = sorted(set(candidates))
+    close = difflib.get_close_matches(name, candidates, n=n, cutoff=0.5)
+    tail = name.rsplit(".", 1)[-1]
+    close += [c for c in candidates if c.rsplit(".", 1)[-1] == tail and c not in close]
+    return close[:n]
+
+
+def parse(name: str) -> tuple[str, int | None]:
+    """Split ``"layers.5.X"`` into ``("layers.X", 5)``; other names get ``None``.
+
+    Raises SiteError, listing the nearest standard names, for a name that is not
+    in the vocabulary.
+    """
+    if not isinstance(name, str):
+        raise SiteError(f"a site name is a string like 'layers.layer_output', got {name!r}")
+    index = None
+    m = _INDEXED.match(name)
+    if m:
+        name, index = f"{m['prefix']}.{m['rest']}", int(m["index"])
+    if name not in SITES:
+        hint = near(name, SITES)
+        raise SiteError(
+            f"unknown site {name!r}. "
+            + (f"Nearest standard names: {', '.join(hint)}. " if hint else "")
+            + "docs/values.md lists every site."
+        )
+    if index is not None and not SITES[name].per_block:
+        raise SiteError(f"site {name!r} is not a block site; drop the block index")
+    return name, index
+
+
+def values_markdown() -> str:
+    """docs/values.md, generated from SITES (tests check the file is current)."""
+    lines = [
+        "# Standard values",
+        "",
+        "Generated from `jstd/sites.py` by `python -m jstd.sites`; do not edit by hand.",
+        "",
+        '`"layers.X"` reads site X stacked over the blocks that have its host (block axis first);',
+        '`"layers.5.X"` reads or edits block 5 alone. Layouts are per host (per block).',
+        "",
+    ]
+    by_host: dict[str, list[Site]] = {}
+    for s in SITES.values():
+        by_host.setdefault(s.host, []).append(s)
+    for host, sites in by_host.items():
+        lines += [f"## `{host}`", "", "| site | layout | editable | meaning |", "| --- | --- | --- | --- |"]
+        for s in sites:
+            fam = f" (only {s.family})" if s.family else ""
+            lines.append(
+                f"| `{s.name}` | [{', '.join(s.layout)}] | {'yes' if s.editable else 'read-only'} | {s.meaning}{fam} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(values_markdown(), end="")

@@ -1,0 +1,36 @@
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def assert_close(actual, expected, rtol=1e-5, name=""):
+    """Elementwise |a - b| <= rtol·|b| + rtol·max|b| (relative to the value's own scale).
+
+    Entries that the reference masks with the dtype's minimum compare as masked on both sides.
+    """
+    a = np.asarray(actual, np.float64)
+    b = np.asarray(expected, np.float64)
+    assert a.shape == b.shape, f"{name}: shape {a.shape} != reference {b.shape}"
+    masked = b < -1e30
+    if masked.any():
+        assert (a[masked] < -1e30).all(), f"{name}: masked entries differ"
+        a, b = np.where(masked, 0, a), np.where(masked, 0, b)
+    scale = np.max(np.abs(b)) if b.size else 1.0
+    err = np.abs(a - b) - (rtol * np.abs(b) + rtol * scale)
+    worst = np.unravel_index(np.argmax(err), err.shape) if err.size else ()
+    assert (err <= 0).all(), (
+        f"{name}: max abs diff {np.max(np.abs(a - b)):.3g} at {worst} (value {b[worst]:.6g} vs {a[worst]:.6g}), "
+        f"scale {scale:.3g}, rtol {rtol}"
+    )
+
+
+@pytest.fixture(scope="session")
+def rng():
+    return np.random.default_rng(0)

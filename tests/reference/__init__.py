@@ -1,0 +1,1 @@
+"""The torch reference harness: tiny random checkpoints and captures of every standard value."""
