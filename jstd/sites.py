@@ -78,10 +78,12 @@ SITES: dict[str, Site] = {
         _site("layers.self_attn.attention_head_outputs", ("batch", "seq", "heads", "head_dim"), "The per-head outputs of the attention, before the output projection."),
         _site("layers.self_attn.attention_premix", ("batch", "seq", "heads", "head_dim"), "Every head's output side by side, as the output projection takes it."),
         _site("layers.self_attn.attention_output", RESIDUAL, "What the attention adds to the residual stream."),
+        _site("layers.self_attn.attention_raw_output", RESIDUAL, "The attention's own output (the output projection's), before the post-norm and the residual multiplier that turn it into attention_output; the post-norm undoes a scaling here (up to its eps), so scale attention_output instead.", family="hyperclovax"),
         # the MLP
         _site("layers.mlp.mlp_activation", ("batch", "seq", "mlp"), "The activation function's output."),
         _site("layers.mlp.mlp_neurons", ("batch", "seq", "mlp"), "What the down projection receives: act(gate)·up on a gated MLP, the activation itself otherwise."),
         _site("layers.mlp.mlp_output", RESIDUAL, "What the MLP adds to the residual stream."),
+        _site("layers.mlp.mlp_raw_output", RESIDUAL, "The MLP's own output (the down projection's), before the post-norm and the residual multiplier that turn it into mlp_output; the post-norm undoes a scaling here (up to its eps), so scale mlp_output instead.", family="hyperclovax"),
         # the gated DeltaNet mixer (linear attention)
         _site("layers.linear_attn.attention_queries", ("batch", "seq", "heads", "key_dim"), "The queries entering the delta rule (after the convolution and its activation, before the kernel's l2 norm)."),
         _site("layers.linear_attn.attention_keys", ("batch", "seq", "heads", "key_dim"), "The keys entering the delta rule (after the convolution and its activation, before the kernel's l2 norm)."),
@@ -150,7 +152,7 @@ def values_markdown() -> str:
     lines = [
         "# Standard values",
         "",
-        "Generated from `jstd/sites.py` by `python -m jstd.sites`; do not edit by hand.",
+        "Generated from `jstd/sites.py` by `make docs`; do not edit by hand.",
         "",
         '`"layers.X"` reads site X stacked over the blocks that have its host (block axis first);',
         '`"layers.5.X"` reads or edits block 5 alone. Layouts are per host (per block).',
