@@ -1,0 +1,120 @@
+"""Forward speed, read overhead, compile time versus depth, and loading memory, against transformers.
+
+The model: an 8-block, 512-wide Llama (8 heads over 4 kv heads, intermediate
+1408, vocab 8192), batch 4 x 256 tokens, float32 on the CPU; torch runs
+transformers' model with sdpa attention in the same process. Prints a
+markdown table of ratios (paste into docs/benchmarks.md).
+
+    python benchmarks/forward.py [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, checkpoint, timeit
+
+SIZE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4, vocab_size=8192,
+            max_position_embeddings=1024, rms_norm_eps=1e-5)
+RESIDUAL = ("layers.layer_input", "layers.self_attn.attention_output", "layers.mlp.mlp_output", "layers.layer_output")
+
+
+def llama_config(layers):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=layers, **SIZE)
+
+
+def compile_seconds(layers: int) -> float:
+    """Trace + compile time of jit(run) on a model of ``layers`` blocks (shapes only, no weights)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jstd
+    from jstd.models.llama import Llama
+
+    skeleton = Llama.skeleton(llama_config(layers), jnp.float32)
+    tokens = jax.ShapeDtypeStruct((4, 256), jnp.int32)
+    t = time.perf_counter()
+    jax.jit(jstd.run).lower(skeleton, tokens).compile()
+    return time.perf_counter() - t
+
+
+def load_memory(folder: Path) -> dict:
+    """Peak resident memory added while loading ``folder`` (float32), in a fresh process."""
+    code = f"""
+import json, resource, psutil, jax, jax.numpy as jnp, jstd, transformers
+from transformers import AutoConfig
+AutoConfig.from_pretrained({str(folder)!r})
+jnp.ones(3).block_until_ready()
+base = psutil.Process().memory_info().rss
+m = jstd.load({str(folder)!r}, dtype=jnp.float32)
+jax.block_until_ready(m)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps(dict(base=base, peak=peak)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    import jax
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import jstd
+
+    work = Path(tempfile.gettempdir()) / "jstd-bench"
+    folder = checkpoint(llama_config(8), work / "llama-8x512")
+    tokens = np.random.default_rng(0).integers(0, SIZE["vocab_size"], (4, 256))
+
+    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
+    ids = torch.as_tensor(tokens)
+
+    def torch_forward():
+        with torch.inference_mode():
+            return ref(input_ids=ids).logits
+
+    model = jstd.load(folder)
+    logits_only = jax.jit(jstd.run)
+    reads = jax.jit(jstd.run, static_argnames="reads")
+    t_torch = timeit(torch_forward, args.repeats)
+    t_jstd = timeit(lambda: logits_only(model, tokens).logits.block_until_ready(), args.repeats)
+    t_reads = timeit(lambda: jax.block_until_ready(reads(model, tokens, reads=RESIDUAL).values), args.repeats)
+
+    c4, c32 = compile_seconds(4), compile_seconds(32)
+    mem = load_memory(folder)
+    disk = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    added = mem["peak"] - mem["base"]
+
+    tok_s = lambda t: 4 * 256 / t
+    rows = [
+        ("forward throughput, logits only (jstd / torch sdpa)", f"{t_torch / t_jstd:.2f}x",
+         f"jstd {tok_s(t_jstd):,.0f} tok/s, torch {tok_s(t_torch):,.0f} tok/s"),
+        ("reading every residual-stream site of every block (overhead over logits only)",
+         f"{(t_reads / t_jstd - 1) * 100:+.1f}%", f"{t_reads * 1e3:.1f} ms vs {t_jstd * 1e3:.1f} ms"),
+        ("compile time, 32 blocks / 4 blocks", f"{c32 / c4:.2f}x", f"{c32:.2f} s vs {c4:.2f} s"),
+        ("peak memory added while loading / checkpoint size on disk", f"{added / disk:.2f}x",
+         f"{added / 2**20:.0f} MiB for {disk / 2**20:.0f} MiB"),
+    ]
+    print(f"torch {torch.__version__} threads {torch.get_num_threads()}, jax {jax.__version__}, "
+          f"{os.cpu_count()} cores")
+    print("| figure | ratio | detail |\n| --- | --- | --- |")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+
+
+if __name__ == "__main__":
+    main()
