@@ -17,16 +17,31 @@ from reference.harness import TorchEdit, TorchReference
 SEQ = 11
 
 
-@functools.cache
-def _pair(case, folder):
-    return jstd.load(folder), TorchReference(folder)
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (name, folder, jstd model, torch reference), built once per case on first use."""
+
+    @functools.cache
+    def get(name):
+        folder = make_checkpoint(config(name), tmp_path_factory.mktemp(name), seed=1)
+        return name, folder, jstd.load(folder), TorchReference(folder)
+
+    return get
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case(request, tmp_path_factory):
-    folder = make_checkpoint(config(request.param), tmp_path_factory.mktemp(request.param), seed=1)
-    model, ref = _pair(request.param, folder)
-    return request.param, folder, model, ref
+@pytest.fixture(params=sorted(CASES))
+def case(request, checkpoints):
+    return checkpoints(request.param)
+
+
+@pytest.fixture(params=["gqa", "tied"])
+def bf16_case(request, checkpoints):
+    return checkpoints(request.param)
+
+
+@pytest.fixture(params=["gqa", "bias"])
+def edit_case(request, checkpoints):
+    return checkpoints(request.param)
 
 
 def tokens_for(model, batch=2, seq=SEQ, seed=0):
@@ -55,10 +70,8 @@ def test_fused_path_matches(case):
     assert_close(out.logits, want["logits"], 1e-5)
 
 
-def test_bfloat16(case, tmp_path):
-    name, folder, _, _ = case
-    if name not in ("gqa", "tied"):
-        pytest.skip("one bf16 run per structural variant is enough")
+def test_bfloat16(bf16_case):
+    name, folder, _, _ = bf16_case
     model = jstd.load(folder, dtype=jnp.bfloat16)
     ref = TorchReference(folder, dtype=torch.bfloat16)
     tokens = tokens_for(model)
@@ -137,10 +150,8 @@ def _edit_cases(model):
     ]
 
 
-def test_edits_match_torch_hooks(case):
-    name, _, model, ref = case
-    if name not in ("gqa", "bias"):
-        pytest.skip("edits are family mechanics; two variants suffice")
+def test_edits_match_torch_hooks(edit_case):
+    name, _, model, ref = edit_case
     tokens = tokens_for(model, seed=7)
     reads = ("layers.layer_output", "layers.self_attn.attention_head_outputs", "layers.mlp.mlp_output")
     clean = ref.run(tokens, reads=("logits",))["logits"]
