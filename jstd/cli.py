@@ -39,9 +39,7 @@ def describe(model) -> str:
     for host, sites in hosts.items():
         blocks = ""
         if host.startswith("layers"):
-            kind = host.split(".", 1)[1] if "." in host else ""
-            n = len(model.layers_with(kind))
-            blocks = f"  × {n} blocks"
+            blocks = f"  × {len(model.blocks_for(sites[0].name))} blocks"
         lines.append(f"  {host}{blocks}")
         for s in sites:
             shape = ", ".join(f"{a}" + (f"={sizes[a]}" if a in sizes else "") for a in s.layout)

@@ -54,14 +54,14 @@ def check_sites(model: Family, names: Sequence[str], what: str) -> None:
                 + (f" Nearest names it has: {', '.join(hint)}." if hint else "")
             )
         if index is not None:
-            host = SITES[base].host.split(".", 1)[1] if "." in SITES[base].host else ""
-            blocks = model.layers_with(host)
-            L = model.config.num_layers
-            if not -L <= index < L or index % L not in blocks:
-                raise SiteError(
-                    f"{what} {name!r}: block {index} does not exist or has no {SITES[base].host}; "
-                    f"blocks with it: {_ranges(blocks)}"
-                )
+            _check_block(model, base, index, f"{what} {name!r}")
+
+
+def _check_block(model: Family, site: str, index: int, what: str) -> None:
+    blocks = model.blocks_for(site)
+    L = model.config.num_layers
+    if not -L <= index < L or index % L not in blocks:
+        raise SiteError(f"{what}: block {index} does not exist or has no {SITES[site].host}; blocks with it: {_ranges(blocks)}")
 
 
 def _ranges(blocks):
@@ -127,8 +127,7 @@ def run(
     tokens = check_tokens(tokens, model.config.vocab_size)
 
     bases = frozenset(parse(r)[0] for r in reads) | ({"logits"} if "next_token_probs" in reads else frozenset())
-    num_blocks = {h: len(model.layers_with(h.split(".", 1)[1])) for h in {s.host for s in SITES.values() if s.host.startswith("layers.")}}
-    num_blocks["layers"] = model.config.num_layers
+    num_blocks = {s.host: len(model.blocks_for(s.name)) for s in SITES.values() if s.per_block}
     tap = Tap(bases - {"next_token_probs"}, edits, model.config.num_layers, num_blocks)
     logits, recorded = model.forward(tokens, tap, attention_mask)
     left = tap.unapplied()
@@ -143,9 +142,7 @@ def run(
         elif index is None:
             values[name] = recorded[base]
         else:
-            host = SITES[base].host
-            blocks = model.layers_with(host.split(".", 1)[1] if "." in host else "")
-            values[name] = recorded[base][blocks.index(index % model.config.num_layers)]
+            values[name] = recorded[base][model.blocks_for(base).index(index % model.config.num_layers)]
     return Outputs(logits, values)
 
 
@@ -155,11 +152,7 @@ def _check_layer(model: Family, edit) -> None:
         return
     if np.ndim(layer) != 0 or not np.issubdtype(np.asarray(layer).dtype, np.integer):
         raise SiteError(f"{type(edit).__name__} at {edit.site}: layer must be one integer block index, got {layer!r}")
-    L = model.config.num_layers
-    host = SITES[edit.site].host
-    blocks = model.layers_with(host.split(".", 1)[1] if "." in host else "")
-    if not -L <= int(layer) < L or int(layer) % L not in blocks:
-        raise SiteError(f"{type(edit).__name__} at {edit.site}: block {int(layer)} does not exist or has no {host}; blocks with it: {_ranges(blocks)}")
+    _check_block(model, edit.site, int(layer), f"{type(edit).__name__} at {edit.site}")
 
 
 def project_on_vocab(model: Family, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:

@@ -77,6 +77,15 @@ class Family(eqx.Module):
         """The indices of the blocks that have ``host`` (``self_attn``, ``mlp``, ``linear_attn``)."""
         raise NotImplementedError
 
+    def blocks_for(self, site: str) -> tuple[int, ...]:
+        """The blocks that compute the block site ``site`` (its host's blocks), in order."""
+        from jstd.sites import SITES
+
+        host = SITES[site].host
+        if host == "layers":
+            return tuple(range(self.config.num_layers))
+        return tuple(self.layers_with(host.split(".", 1)[1])) if host.startswith("layers.") else ()
+
     def unavailable(self, site: str) -> str:
         """Why this family does not serve ``site`` (nnterp's 'Unavailable')."""
         from jstd.sites import SITES
