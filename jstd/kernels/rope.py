@@ -97,14 +97,18 @@ def _dynamic_base_at_init(base, factor, max_pos, dim) -> float:
 
 
 def _torch_scalar_pow(s: np.ndarray, e: float) -> np.ndarray:
-    """torch's ``float32 tensor ** python_float``: special exponents, else double ``pow`` rounded to float32."""
+    """torch's ``float32 tensor ** python_float``: its special exponents, else double ``pow`` rounded to float32.
+
+    The exponent here is ``dim / (dim - 2)``, so of torch's special cases only 2 (dim 4), 3 (dim 3)
+    and -1 (dim 1) can occur.
+    """
     s = np.asarray(s, dtype=_f32)
     if e == 2.0:
         return (s * s).astype(_f32)
     if e == 3.0:
         return ((s * s).astype(_f32) * s).astype(_f32)
-    if e == 0.5:
-        return np.sqrt(s).astype(_f32)
+    if e == -1.0:
+        return (_f32(1) / s).astype(_f32)
     return (s.astype(np.float64) ** e).astype(_f32)
 
 
@@ -203,36 +207,32 @@ def _keep(*xs):
 
 
 def _pow_f32_double_exponent(s: Array, e: float) -> Array:
-    """float32 ``s ** e`` for a Python-float (double) exponent ``e`` and ``s >= 1``.
+    """float32 ``s ** e`` for a Python-float (double) exponent ``e = dim / (dim - 2)`` and ``s >= 1``.
 
-    Mirrors torch's ``Tensor(float32) ** float`` on a 0-dim tensor (computed in
-    double, rounded once): special exponents as torch special-cases them, else
-    ``s + s * expm1((e - 1) * log(s))`` with ``e - 1`` split in two float32s.
-    For the exponents ``dim / (dim - 2)`` of dynamic rope this is within a few
-    hundredths of an ulp of the exact value before the final rounding, so it
-    rounds like torch for all but a few percent of lengths (then 1 ulp off).
+    Approximates torch's ``Tensor(float32) ** float`` on a 0-dim tensor (computed
+    in double, rounded once; see ``_torch_scalar_pow``): its special exponents
+    exactly, else ``s + s * expm1((e - 1) * log(s))`` with ``e - 1`` split in two
+    float32s and expm1 by its Taylor series. The float32 ``log`` leaves a few
+    hundredths of an ulp before the final rounding (about ``0.5 * (e - 1) * log(s)``
+    ulp), so the result rounds like torch's for all but a few percent of ``s``
+    at head_dim 64 (and is 1 ulp off for those).
     """
     if e == 2.0:
         return s * s
     if e == 3.0:
         return _keep(s * s) * s
-    if e == 0.5:
-        return jnp.sqrt(s)
     if e == -1.0:
         return 1.0 / s
-    if e == -2.0:
-        return 1.0 / _keep(s * s)
-    if e == -0.5:
-        return 1.0 / _keep(jnp.sqrt(s))
     a = e - 1.0
     a_hi = _f32(a)
     a_lo = _f32(a - float(a_hi))
     log_s = jnp.log(s)
     x = _keep(_keep(log_s * a_hi) + _keep(log_s * a_lo))
-    # expm1 by its Taylor series (XLA's float32 expm1 is several ulp off); x < 1 here
-    u = x / 14.0
-    for k in range(13, 0, -1):
-        u = _keep((x / k) * (1.0 + u))
+    # XLA's float32 expm1 is several ulp off; x(1 + x/2(1 + x/3(...))) to 20 terms is exact to float32 for x < 4
+    u = x / 21.0
+    for k in range(20, 0, -1):
+        u = (x / k) * (1.0 + u)
+    u = jnp.where(x < 4.0, u, jnp.expm1(x))
     return s + _keep(s * u)
 
 
@@ -405,9 +405,9 @@ def rotary_from_config(config, head_dim: int, *, layer_type: str | None = None) 
     max_pos = getattr(config, "max_position_embeddings", None)
 
     def original_max() -> int:
-        # transformers' standardize_rope_params gives a config attribute priority (Phi3), then the dict,
-        # then max_position_embeddings
-        attr = getattr(config, "original_max_position_embeddings", None)
+        # transformers' standardize_rope_params: for a flat dict a config attribute has priority (Phi3),
+        # then the dict, then max_position_embeddings
+        attr = None if nested else getattr(config, "original_max_position_embeddings", None)
         if attr is not None:
             return attr
         value = params.get("original_max_position_embeddings")

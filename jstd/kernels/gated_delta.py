@@ -1,0 +1,403 @@
+"""Gated delta rule (Gated DeltaNet) linear attention in plain JAX.
+
+The recurrence, per batch element and value head, with a float32 state ``S`` of
+shape ``[key_dim, value_dim]`` and for each token ``t``::
+
+    S     <- exp(g_t) * S                      # gated decay (g_t <= 0 is a log decay)
+    delta  = beta_t * (v_t - S^T k_t)          # delta rule: write only the correction
+    S     <- S + k_t delta^T
+    o_t    = S^T q_t                           # q_t is scaled by 1/sqrt(key_dim)
+
+Two forms compute it:
+
+* :func:`recurrent_gated_delta_rule` runs the recurrence token by token under
+  ``lax.scan`` (the decoding form, and the reference for the others).
+* :func:`chunk_gated_delta_rule` runs it by chunks of 64 tokens (the WY / UT
+  representation): everything inside a chunk is a handful of matrix products and a
+  64x64 unit-triangular inverse, and only the ``[key_dim, value_dim]`` state is carried
+  from chunk to chunk by a ``lax.scan``. Its memory grows linearly in the sequence
+  length (only the inputs and outputs do; the working set is one chunk).
+
+A Pallas version of the chunked form lives in :mod:`jstd.kernels.pallas.gated_delta`.
+
+Conventions, shared by all forms and matching transformers'
+``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule``:
+
+* layouts are ``[batch, seq, heads, dim]``: ``q, k: [B, T, Hk, Dk]``,
+  ``v: [B, T, Hv, Dv]``, ``g, beta: [B, T, Hv]``; states ``[B, Hv, Dk, Dv]``.
+  ``Hv`` must be a multiple of ``Hk``: each query/key head serves ``Hv // Hk``
+  consecutive value heads (``repeat_interleave`` semantics).
+* all arithmetic is float32 whatever the input dtypes (inputs are upcast first);
+  the output has ``q``'s dtype and the states are float32. (Exception: if an input is
+  float64, with x64 enabled, everything runs in float64; the reference would use float32.)
+* with ``use_qk_l2norm`` q and k are normalised as ``x * rsqrt(sum(x**2) + 1e-6)``
+  (eps *inside* the rsqrt, as FLA and transformers do), then q is always scaled by
+  ``key_dim ** -0.5``.
+
+Mathematically the forms are equal; numerically they differ by float32 rounding
+only (they sum the same terms in different orders).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float
+
+__all__ = [
+    "chunk_gated_delta_rule",
+    "l2norm",
+    "recurrent_gated_delta_rule",
+    "unit_lower_inverse",
+]
+
+# float32 matrix products at full float32 precision (TPU/GPU would otherwise use
+# bf16/tf32 passes for float32 dots; on the CPU this is free).
+_PRECISION = lax.Precision.HIGHEST
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x: Float[Array, "... d"], eps: float = L2NORM_EPS) -> Float[Array, "... d"]:
+    """``x * rsqrt(sum(x**2, -1) + eps)``: the FLA / transformers l2norm (eps inside the rsqrt)."""
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _mm(spec: str, a: Array, b: Array) -> Array:
+    return jnp.einsum(spec, a, b, precision=_PRECISION)
+
+
+class _Prepared(NamedTuple):
+    q: Array  # [B, T, H, Dk] float32, (normalised,) scaled
+    k: Array  # [B, T, H, Dk] float32, (normalised)
+    v: Array  # [B, T, H, Dv] float32
+    g: Array  # [B, T, H] float32
+    beta: Array  # [B, T, H] float32
+    state: Array  # [B, H, Dk, Dv] float32
+
+
+def _check(q, k, v, g, beta, initial_state):
+    """Validates shapes; returns (B, T, Hk, Hv, Dk, Dv, compute dtype)."""
+    if q.ndim != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must share a [batch, seq, heads, key_dim] shape, got {q.shape} and {k.shape}")
+    B, T, Hk, Dk = q.shape
+    if v.ndim != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [batch, seq, heads, value_dim] matching q, got {v.shape} for q {q.shape}")
+    Hv, Dv = v.shape[2:]
+    if g.shape != (B, T, Hv) or beta.shape != (B, T, Hv):
+        raise ValueError(f"g and beta must be [batch, seq, value_heads] = {(B, T, Hv)}, got {g.shape} and {beta.shape}")
+    if Hv % Hk:
+        raise ValueError(f"value heads ({Hv}) must be a multiple of query/key heads ({Hk})")
+    if initial_state is not None and initial_state.shape != (B, Hv, Dk, Dv):
+        raise ValueError(
+            f"initial_state must be [batch, heads, key_dim, value_dim] = {(B, Hv, Dk, Dv)}, got {initial_state.shape}"
+        )
+    # float32 arithmetic (float64 only if an input is float64, e.g. for gradient checks under x64)
+    dtype = jnp.promote_types(jnp.float32, jnp.result_type(q, k, v, g, beta))
+    return B, T, Hk, Hv, Dk, Dv, dtype
+
+
+def _initial_state(initial_state, shape, dtype):
+    return jnp.zeros(shape, dtype) if initial_state is None else initial_state.astype(dtype)
+
+
+def _prep_qkv(q, k, v, g, beta, *, n_rep, use_qk_l2norm, dtype):
+    """Upcasts, expands grouped q/k heads, normalises and scales: any [B, T, H, ...] slice."""
+    q, k, v, g, beta = (x.astype(dtype) for x in (q, k, v, g, beta))
+    if n_rep > 1:
+        q = jnp.repeat(q, n_rep, axis=2)
+        k = jnp.repeat(k, n_rep, axis=2)
+    if use_qk_l2norm:
+        q = l2norm(q)
+        k = l2norm(k)
+    return q * (q.shape[-1] ** -0.5), k, v, g, beta
+
+
+def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm) -> _Prepared:
+    """Checks shapes, expands grouped q/k heads, upcasts to float32, normalises and scales q/k."""
+    B, T, Hk, Hv, Dk, Dv, dtype = _check(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta = _prep_qkv(q, k, v, g, beta, n_rep=Hv // Hk, use_qk_l2norm=use_qk_l2norm, dtype=dtype)
+    return _Prepared(q, k, v, g, beta, _initial_state(initial_state, (B, Hv, Dk, Dv), dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# Recurrent form
+# ----------------------------------------------------------------------------------------------
+
+
+def recurrent_gated_delta_rule(
+    q: Float[Array, "batch seq qk_heads key_dim"],
+    k: Float[Array, "batch seq qk_heads key_dim"],
+    v: Float[Array, "batch seq heads value_dim"],
+    g: Float[Array, "batch seq heads"],
+    beta: Float[Array, "batch seq heads"],
+    *,
+    initial_state: Float[Array, "batch heads key_dim value_dim"] | None = None,
+    use_qk_l2norm: bool = False,
+    return_states: bool = False,
+) -> tuple[Array, Array] | tuple[Array, Array, Array]:
+    """Gated delta rule, token by token under ``lax.scan``.
+
+    Args:
+        q, k: ``[batch, seq, qk_heads, key_dim]``, any float dtype.
+        v: ``[batch, seq, heads, value_dim]``; ``heads`` a multiple of ``qk_heads``.
+        g: ``[batch, seq, heads]`` log decay (the state is multiplied by ``exp(g)``).
+        beta: ``[batch, seq, heads]`` write strength.
+        initial_state: optional ``[batch, heads, key_dim, value_dim]`` state (zeros if
+            omitted); upcast to float32.
+        use_qk_l2norm: l2-normalise q and k (eps 1e-6 inside the rsqrt) before use.
+        return_states: static flag; also return the state after every token.
+
+    Returns:
+        ``(out, final_state)``, or ``(out, final_state, states)`` with ``return_states``:
+        ``out`` is ``[batch, seq, heads, value_dim]`` in ``q.dtype``; ``final_state`` is
+        ``[batch, heads, key_dim, value_dim]`` float32; ``states`` is
+        ``[batch, seq, heads, key_dim, value_dim]`` float32 (``states[:, t]`` is the state
+        after token ``t``, ``states[:, -1] == final_state``).
+
+    All arithmetic is float32. Per step the state is read twice (one product giving
+    ``S^T k`` and ``S^T q`` from the state before the update, one fused decay-and-write),
+    which is algebraically the reference's ``o = (S_new)^T q``.
+    """
+    out_dtype = q.dtype
+    p = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
+    # time-major for the scan
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (p.q, p.k, p.v, p.g, p.beta))
+
+    def step(S, x):
+        qt, kt, vt, gt, bt = x  # [B, H, D*] / [B, H]
+        decay = jnp.exp(gt)[..., None]  # [B, H, 1]
+        # one pass over the old state for both reads: S^T [k, q]
+        reads = _mm("bhkv,bhnk->bhnv", S, jnp.stack([kt, qt], axis=2)) * decay[..., None]
+        delta = bt[..., None] * (vt - reads[:, :, 0])  # [B, H, Dv]
+        # o = (e^g S + k delta^T)^T q = e^g S^T q + delta (k . q)
+        o = reads[:, :, 1] + delta * jnp.sum(kt * qt, axis=-1, keepdims=True)
+        S = S * decay[..., None] + kt[..., :, None] * delta[..., None, :]
+        return S, ((o, S) if return_states else o)
+
+    final, ys = lax.scan(step, p.state, xs)
+    if return_states:
+        o, states = ys
+        return jnp.moveaxis(o, 0, 1).astype(out_dtype), final, jnp.moveaxis(states, 0, 1)
+    return jnp.moveaxis(ys, 0, 1).astype(out_dtype), final
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked (WY / UT) form
+# ----------------------------------------------------------------------------------------------
+
+
+def unit_lower_inverse(a: Float[Array, "... n n"]) -> Float[Array, "... n n"]:
+    """``(I + tril(a, -1))^{-1}`` by recursive 2x2 block inversion (``n`` a power of two).
+
+    Only the strictly lower triangle of ``a`` is read. With ``M = [[M11, 0], [M21, M22]]``,
+    ``M^{-1} = [[X, 0], [-Y M21 X, Y]]`` with ``X = M11^{-1}, Y = M22^{-1}``; the diagonal
+    blocks are inverted first (all of one size at once, as batched products), then merged
+    pairwise: ``log2(n)`` levels of small matrix products, no powers of the matrix (which
+    overflow / cancel) and no sequential row-by-row substitution. This is the standard
+    recursive triangular inversion, whose error bound matches forward substitution's.
+    """
+    n = a.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"unit_lower_inverse needs a power-of-two size, got {n}")
+    batch = a.shape[:-2]
+    # diagonal blocks of `a` at every level, from the whole matrix down to size-2 blocks:
+    # diag[s] has shape [..., n // (2s), 2s, 2s] (the diagonal 2s-blocks)
+    diag = {}
+    cur = a[..., None, :, :]  # [..., 1, n, n]
+    s = n // 2
+    while s >= 1:
+        diag[s] = cur
+        top = cur[..., :s, :s]
+        bot = cur[..., s:, s:]
+        cur = jnp.stack([top, bot], axis=-3).reshape(*batch, -1, s, s)
+        s //= 2
+    inv = jnp.ones((*batch, n, 1, 1), a.dtype)  # inverses of the 1x1 diagonal blocks
+    s = 1
+    while s < n:
+        m21 = diag[s][..., s:, :s]  # [..., n // 2s, s, s]
+        pair = inv.reshape(*batch, -1, 2, s, s)
+        x, y = pair[..., 0, :, :], pair[..., 1, :, :]
+        if s == 1:
+            z = -m21  # x = y = 1
+        elif s < 16:  # tiny blocks: an elementwise multiply-reduce, not tiny matrix products
+            ym = jnp.sum(y[..., :, :, None] * m21[..., None, :, :], axis=-2)
+            z = -jnp.sum(ym[..., :, :, None] * x[..., None, :, :], axis=-2)
+        else:
+            z = -_mm("...ij,...jk->...ik", _mm("...ij,...jk->...ik", y, m21), x)
+        zeros = jnp.zeros_like(x)
+        inv = jnp.concatenate(
+            [jnp.concatenate([x, zeros], axis=-1), jnp.concatenate([z, y], axis=-1)], axis=-2
+        )
+        s *= 2
+    return inv[..., 0, :, :]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _chunk_size_for(T: int, chunk_size: int) -> int:
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+    # short sequences use a smaller chunk (any chunk size gives the same result)
+    return min(chunk_size, _next_pow2(max(T, 1)))
+
+
+def _to_chunks(x: Array, C: int) -> Array:
+    """[B, Tp, H, ...] -> [N, B, H, C, ...] (chunk-major, heads before positions)."""
+    B, Tp, H = x.shape[:3]
+    x = x.reshape(B, Tp // C, C, H, *x.shape[3:])
+    return jnp.moveaxis(x, (1, 2), (0, 3))
+
+
+def _batch_to_chunk_major(x: Array, C: int) -> Array:
+    """[B, N*C, ...] -> [N, B, C, ...], or [N, C, ...] when B == 1 (a free reshape).
+
+    (With B == 1 the size-1 batch axis is dropped: XLA would otherwise give the reshaped
+    array a layout that it copies before the loop.)
+    """
+    B, Tp = x.shape[:2]
+    if B == 1:
+        return x.reshape(Tp // C, C, *x.shape[2:])
+    return jnp.moveaxis(x.reshape(B, Tp // C, C, *x.shape[2:]), 1, 0)
+
+
+def _chunk_major_to_batch(x: Array, B: int) -> Array:
+    """Inverse of :func:`_batch_to_chunk_major`."""
+    if B == 1:
+        return x.reshape(1, -1, *x.shape[2:])
+    return jnp.moveaxis(x, 0, 1).reshape(B, -1, *x.shape[3:])
+
+
+def _pad_time(x: Array, pad: int) -> Array:
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _pairwise_decay(gamma: Array, mask: Array) -> Array:
+    """``exp(gamma_i - gamma_j)`` where ``mask`` holds, else 0; gamma: [..., C] -> [..., C, C].
+
+    The mask is applied before the exp so that the excluded (positive) differences never
+    overflow. The differences come from a K=2 product ``[gamma_i, 1] . [1, -gamma_j]``
+    (exact: one rounding, like a subtraction) rather than a broadcast subtraction: XLA's CPU
+    backend does not vectorise an exp fused with an outer broadcast (10x slower).
+    """
+    one = jnp.ones_like(gamma)
+    diff = _mm("...ik,...jk->...ij", jnp.stack([gamma, one], -1), jnp.stack([one, -gamma], -1))
+    return jnp.exp(jnp.where(mask, diff, -jnp.inf))
+
+
+def _chunk_body(S, q, k, v, g, beta):
+    """One chunk of ``C`` tokens for all batch elements and heads.
+
+    ``S``: [B, H, Dk, Dv] incoming state; ``q, k``: [B, H, C, Dk] (prepared); ``v``:
+    [B, H, C, Dv]; ``g, beta``: [B, H, C]. Returns (outgoing state, out [B, H, C, Dv],
+    deltas [B, H, C, Dv]).
+    """
+    C = q.shape[-2]
+    gamma = jnp.cumsum(g, axis=-1)  # log decay from the chunk start
+    i = jnp.arange(C)
+    dec = _pairwise_decay(gamma, i[:, None] >= i[None, :])  # causal, incl. diagonal
+    kqk = _mm("bhik,bhjk->bhij", jnp.concatenate([k, q], axis=-2), k)  # k k^T and q k^T in one product
+    kk, qk = kqk[..., :C, :], kqk[..., C:, :]
+    a = jnp.where(i[:, None] > i[None, :], beta[..., :, None] * kk * dec, 0.0)  # strictly lower UT system
+    t = unit_lower_inverse(a)  # T = (I + A)^{-1}
+    e = jnp.exp(gamma)[..., None]
+    b = beta[..., None]
+    # beta e^gamma k S and e^gamma q S in one product with the state
+    r = _mm("bhik,bhkv->bhiv", jnp.concatenate([k * (b * e), q * e], axis=-2), S)
+    # the delta-rule corrections (= the recurrence's deltas): T (beta v - beta e^gamma k S)
+    delta = _mm("bhij,bhjv->bhiv", t, v * b - r[..., :C, :])
+    o = r[..., C:, :] + _mm("bhij,bhjv->bhiv", qk * dec, delta)
+    glast = gamma[..., -1:]
+    kd = k * jnp.exp(glast - gamma)[..., None]  # keys decayed to the chunk end
+    S_new = S * jnp.exp(glast)[..., None] + _mm("bhck,bhcv->bhkv", kd, delta)
+    return S_new, o, delta
+
+
+def _in_chunk_states(starts, deltas, k, g):
+    """States after every token from the chunk-start states and the deltas.
+
+    starts [N, B, H, Dk, Dv]; deltas [N, B, H, C, Dv]; k [N, B, H, C, Dk]; g [N, B, H, C].
+    Returns [B, N*C, H, Dk, Dv]. Runs the (now linear) recurrence S <- e^g S + k delta^T
+    over the C positions of all chunks at once.
+    """
+    xs = (jnp.moveaxis(g, -1, 0), jnp.moveaxis(k, -2, 0), jnp.moveaxis(deltas, -2, 0))
+
+    def step(S, x):
+        gc, kc, dc = x
+        S = S * jnp.exp(gc)[..., None, None] + kc[..., :, None] * dc[..., None, :]
+        return S, S
+
+    _, states = lax.scan(step, starts, xs)  # [C, N, B, H, Dk, Dv]
+    B, H = starts.shape[1:3]
+    states = states.transpose(2, 1, 0, 3, 4, 5)  # [B, N, C, H, Dk, Dv]
+    return states.reshape(B, -1, H, *starts.shape[-2:])
+
+
+def chunk_gated_delta_rule(
+    q: Float[Array, "batch seq qk_heads key_dim"],
+    k: Float[Array, "batch seq qk_heads key_dim"],
+    v: Float[Array, "batch seq heads value_dim"],
+    g: Float[Array, "batch seq heads"],
+    beta: Float[Array, "batch seq heads"],
+    *,
+    initial_state: Float[Array, "batch heads key_dim value_dim"] | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    return_states: bool = False,
+) -> tuple[Array, Array] | tuple[Array, Array, Array]:
+    """Gated delta rule by chunks (WY / UT representation), in plain JAX.
+
+    Same arguments, layouts, dtypes and returns as :func:`recurrent_gated_delta_rule`,
+    plus ``chunk_size`` (a power of two; sequences shorter than it use the next power of
+    two above their length).
+
+    Inside each chunk of ``C`` tokens, with ``gamma`` the in-chunk cumulative log decay,
+    ``A = strict_tril(beta k k^T * exp(gamma_i - gamma_j))`` and ``T = (I + A)^{-1}``
+    (inverted by :func:`unit_lower_inverse`), the deltas are
+    ``delta = T (beta v) - T (beta e^gamma k) S`` for the incoming state ``S``; the outputs
+    ``e^gamma q S + P delta`` with ``P = tril(q k^T * exp(gamma_i - gamma_j))``; and the
+    outgoing state ``e^gamma_C S + (k e^(gamma_C - gamma))^T delta``. A ``lax.scan`` over
+    the chunks carries the float32 state; each step works on one chunk of all batch
+    elements and heads (batched products), reading the inputs in place, so the memory is
+    linear in the sequence length and the working set stays cache-sized. The sequence is
+    padded to a multiple of ``C`` with ``g = beta = 0`` (and zero q, k, v), which is exact:
+    a padded token neither decays nor writes the state. Per-token states are only formed
+    with ``return_states`` (from the chunk-start states and the deltas).
+    """
+    out_dtype = q.dtype
+    B, T, Hk, H, Dk, Dv, dtype = _check(q, k, v, g, beta, initial_state)
+    state = _initial_state(initial_state, (B, H, Dk, Dv), dtype)
+    C = _chunk_size_for(T, chunk_size)
+    pad = (-T) % C
+    N = (T + pad) // C
+    # chunk-major views of the raw inputs: [N, B, C, H, ...] (free for B == 1)
+    xs = tuple(_batch_to_chunk_major(_pad_time(x, pad), C) for x in (q, k, v, g, beta))
+    heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # [B, C, H, ...] <-> [B, H, C, ...]
+
+    def step(S, x):
+        if B == 1:
+            x = tuple(y[None] for y in x)
+        qc, kc, vc, gc, bc = (
+            heads_major(y) for y in _prep_qkv(*x, n_rep=H // Hk, use_qk_l2norm=use_qk_l2norm, dtype=dtype)
+        )
+        S_new, o, delta = _chunk_body(S, qc, kc, vc, gc, bc)
+        o = heads_major(o).astype(out_dtype)
+        if B == 1:
+            o = o[0]
+        return S_new, ((o, S, delta, kc, gc) if return_states else o)
+
+    final, ys = lax.scan(step, state, xs)
+    o = ys[0] if return_states else ys
+    out = _chunk_major_to_batch(o, B)[:, :T]
+    if return_states:
+        _, starts, deltas, kc, gc = ys
+        return out, final, _in_chunk_states(starts, deltas, kc, gc)[:, :T]
+    return out, final

@@ -1,0 +1,1 @@
+"""Pallas kernels (Triton on GPU, Mosaic on TPU; ``interpret=True`` anywhere)."""
