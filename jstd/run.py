@@ -127,7 +127,7 @@ def run(
     tokens = check_tokens(tokens, model.config.vocab_size)
 
     bases = frozenset(parse(r)[0] for r in reads) | ({"logits"} if "next_token_probs" in reads else frozenset())
-    num_blocks = {s.host: len(model.blocks_for(s.name)) for s in SITES.values() if s.per_block}
+    num_blocks = {s.name: len(model.blocks_for(s.name)) for s in SITES.values() if s.per_block}
     tap = Tap(bases - {"next_token_probs"}, edits, model.config.num_layers, num_blocks)
     logits, recorded = model.forward(tokens, tap, attention_mask)
     left = tap.unapplied()

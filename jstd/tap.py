@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from jstd.interventions.edits import Edit
+from jstd.kernels.rounding import rounded
 from jstd.sites import SITES, SiteError
 
 
@@ -21,8 +22,8 @@ class Tap:
 
     reads: base site names to record (``layers.X``, never ``layers.5.X``).
     edits: the edits, in the order they compose.
-    num_blocks: for each block host, how many blocks have it (stacked edit arrays
-        are checked against it).
+    num_blocks: for each block site, how many blocks compute it (stacked edit
+        arrays are checked against it).
     """
 
     def __init__(self, reads: frozenset[str], edits: tuple[Edit, ...], num_layers: int, num_blocks: dict[str, int]):
@@ -60,9 +61,14 @@ class Scope:
 
     def __call__(self, site: str, value: Array) -> Array:
         """Apply the edits addressed to ``site`` (in order), record it if read, return it."""
-        for edit in self.tap.edits.get(site, ()):
+        edits = self.tap.edits.get(site, ())
+        for edit in edits:
             value = self._apply(edit, site, value)
             self.tap.applied.add(id(edit))
+        if edits:
+            # what an edit wrote is what downstream reads: no fusing an edit's
+            # arithmetic into the consumer (which would add an unrounded value)
+            value = rounded(value)
         if site in self.tap.reads:
             self.records[site] = value
         return value
@@ -75,20 +81,20 @@ class Scope:
             a = getattr(edit, name)
             shape = np.shape(a)
             if stacked and len(shape) == value.ndim + 1:
-                blocks = self.tap.num_blocks[spec.host]
+                blocks = self.tap.num_blocks[site]
                 if shape[0] != blocks:
                     raise SiteError(
                         f"{type(edit).__name__} at {site}: {name} is stacked over {shape[0]} blocks, "
-                        f"but {blocks} blocks have {spec.host}; pass one entry per block or layer=..."
+                        f"but {blocks} blocks compute {site}; pass one entry per block or layer=..."
                     )
-                a = a[self.stack_index]
+                a = jnp.asarray(a)[self.stack_index]
                 shape = shape[1:]
             try:
                 ok = np.broadcast_shapes(shape, value.shape) == value.shape
             except ValueError:
                 ok = False
             if not ok:
-                stack = f" (or stacked over blocks: {(self.tap.num_blocks.get(spec.host),) + value.shape})" if stacked else ""
+                stack = f" (or stacked over blocks: {(self.tap.num_blocks.get(site),) + value.shape})" if stacked else ""
                 raise SiteError(
                     f"{type(edit).__name__} at {site}: {name} of shape {tuple(np.shape(getattr(edit, name)))} "
                     f"does not broadcast to the site's shape {value.shape} [{', '.join(spec.layout)}]; "

@@ -62,7 +62,7 @@ def load(path_or_repo_id, *, dtype=None):
     skeleton = family.skeleton(hf, dtype)
     entries = [e for e in family.name_map(hf) if _get(skeleton, e.path) is not None]
     num_layers = family.standard_config(hf).num_layers
-    expected = {e.key.format(i=i) for e in entries for i in (range(num_layers) if e.stacked else [0])}
+    expected = {k.format(i=i) for e in entries for k in e.keys for i in (e.rows(num_layers) if e.stacked else [0])}
     missing = sorted(expected - files.keys())
     if missing:
         raise CheckpointError(
@@ -95,10 +95,10 @@ def _read(files: SafetensorsFiles, entry, leaf: jax.ShapeDtypeStruct, num_layers
     """One parameter, all its blocks, in one aligned buffer that the CPU device adopts without a copy."""
     buf = _aligned(leaf.shape, np.dtype(leaf.dtype))
     if entry.stacked:
-        for i in range(num_layers):
-            buf[i] = _checked(files, entry, entry.key.format(i=i), leaf.shape[1:])
+        for row, i in enumerate(entry.rows(num_layers)):
+            buf[row] = _checked(files, entry, [k.format(i=i) for k in entry.keys], leaf.shape[1:])
     else:
-        buf[...] = _checked(files, entry, entry.key, leaf.shape)
+        buf[...] = _checked(files, entry, list(entry.keys), leaf.shape)
     return jax.device_put(buf)
 
 
@@ -110,11 +110,15 @@ def _aligned(shape, dtype, align: int = 64) -> np.ndarray:
     return raw[offset:offset + n].view(dtype).reshape(shape)
 
 
-def _checked(files, entry, key, want):
-    t = entry.transform(files.read(key))
+def _checked(files, entry, keys, want):
+    """The tensor stored under ``keys`` (parts concatenated along axis 0), transformed and shape-checked."""
+    stored = [files.read(k) for k in keys]
+    t = entry.transform(stored[0] if len(stored) == 1 else np.concatenate(stored))
     if t.shape != tuple(want):
+        key = keys[0] if len(keys) == 1 else " + ".join(keys)
+        shapes = " + ".join(str(files.shape(k)) for k in keys)
         raise CheckpointError(
-            f"tensor {key!r} in {files.where(key)} has shape {files.shape(key)}, "
+            f"tensor {key!r} in {files.where(keys[0])} has shape {shapes}, "
             f"which maps to {t.shape}; the config implies {tuple(want)} for {entry.path}"
         )
     return t

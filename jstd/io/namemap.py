@@ -2,7 +2,10 @@
 
 An ``Entry`` says: the tensor ``key`` (with ``{i}`` for the block index on
 stacked parameters) fills the skeleton leaf at ``path`` after ``transform``
-(a numpy function from the stored layout to jstd's). Transforms are views where
+(a numpy function from the stored layout to jstd's). A stacked entry's rows are
+the blocks ``blocks`` names, in order (every block when None): a hybrid stacks
+each block kind over the blocks of that kind. A ``key`` that is a tuple names a
+tensor stored in parts, concatenated along axis 0 before the transform. Transforms are views where
 possible; the loader copies each one once, into its slot of the stacked array.
 """
 
@@ -16,13 +19,23 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    key: str
+    key: str | tuple[str, ...]
     path: str
     transform: Callable[[np.ndarray], np.ndarray] = lambda w: w
+    blocks: tuple[int, ...] | None = None
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The stored tensor names (one, or the parts of a tensor stored in parts)."""
+        return (self.key,) if isinstance(self.key, str) else tuple(self.key)
 
     @property
     def stacked(self) -> bool:
-        return "{i}" in self.key
+        return any("{i}" in k for k in self.keys)
+
+    def rows(self, num_layers: int) -> tuple[int, ...]:
+        """The block indices that fill a stacked entry's rows, in order."""
+        return tuple(range(num_layers)) if self.blocks is None else tuple(self.blocks)
 
 
 def linear(w):

@@ -1,4 +1,4 @@
-"""Blocks shared by the families: RMSNorm, the gated MLP, softmax attention, the pre-norm block.
+"""Blocks shared by the families: RMSNorm, the gated MLP, softmax attention, the pre- and post-norm blocks.
 
 Weights are stored input-major (``x @ w``), attention projections split into
 heads: q ``[embed, heads, head_dim]``, k and v ``[embed, kv_heads, head_dim]``,
@@ -8,6 +8,8 @@ o ``[heads, head_dim, embed]``. Every value a block computes passes a tap
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from jaxtyping import Array, Bool, Float
 
 from jstd.kernels import attention as attn_kernels
 from jstd.kernels.rope import apply_rotary
+from jstd.kernels.rounding import rounded
 from jstd.models.base import param, shape
 
 ACTIVATIONS = {
@@ -38,19 +41,27 @@ def _bias(x, b):
 
 
 class RMSNorm(eqx.Module):
-    """x / rms(x) · weight, the normalization in float32 and cast back before the weight (as transformers)."""
+    """x / rms(x) · weight, the normalization in float32 and cast back before the weight (as transformers).
+
+    ``weight_in_float32``: multiply the weight with the float32 normed value and
+    cast the product back (OLMo-2/3's norms) instead of casting first (Llama's);
+    the two differ only below float32.
+    """
 
     weight: Float[Array, "embed"] = param("embed")
     eps: float = eqx.field(static=True)
+    weight_in_float32: bool = eqx.field(static=True, default=False)
 
     def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.weight_in_float32:
+            return (self.weight * normed).astype(x.dtype)
         return self.weight * normed.astype(x.dtype)
 
     @classmethod
-    def skeleton(cls, width: int, eps: float, dtype) -> "RMSNorm":
-        return cls(shape(width, dtype=dtype), eps)
+    def skeleton(cls, width: int, eps: float, dtype, weight_in_float32: bool = False) -> "RMSNorm":
+        return cls(shape(width, dtype=dtype), eps, weight_in_float32)
 
 
 class GatedMLP(eqx.Module):
@@ -79,6 +90,10 @@ class GatedMLP(eqx.Module):
 class Attention(eqx.Module):
     """Softmax attention with grouped-query heads, optional biases and rotary embedding.
 
+    ``q_norm`` / ``k_norm`` (OLMo-2/3; None on Llama) are RMSNorms over the
+    whole query / key projection (every head at once), applied before the
+    split into heads and before the rotary.
+
     Taps, in order: queries, keys, values (after the rotary, before the GQA
     repeat), scores and probabilities (explicit path only: taken when either is
     read or edited), head_outputs, premix. Returns o_proj's output.
@@ -93,14 +108,22 @@ class Attention(eqx.Module):
     v_bias: Float[Array, "kv_heads head_dim"] | None = param("kv_heads", "head_dim")
     o_bias: Float[Array, "embed"] | None = param("embed")
     scale: float = eqx.field(static=True)
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
 
-    def project(self, x, w, b):
-        y = jnp.einsum("bte,ehd->bhtd", x, w)
-        return y if b is None else y + b[None, :, None, :]
+    def project(self, x, w, b, norm=None):
+        if norm is None:
+            y = jnp.einsum("bte,ehd->bhtd", x, w)
+            return y if b is None else y + b[None, :, None, :]
+        y = jnp.einsum("bte,ehd->bthd", x, w)
+        y = y if b is None else y + b
+        batch, seq, heads, dim = y.shape
+        y = norm(y.reshape(batch, seq, heads * dim)).reshape(batch, seq, heads, dim)
+        return jnp.swapaxes(y, 1, 2)
 
     def __call__(self, x: Float[Array, "batch seq embed"], cos_sin, mask: Bool[Array, "batch 1 seq seq"], s):
-        q = self.project(x, self.q, self.q_bias)
-        k = self.project(x, self.k, self.k_bias)
+        q = self.project(x, self.q, self.q_bias, self.q_norm)
+        k = self.project(x, self.k, self.k_bias, self.k_norm)
         v = self.project(x, self.v, self.v_bias)
         if cos_sin is not None:
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
@@ -118,13 +141,16 @@ class Attention(eqx.Module):
         return _bias(jnp.einsum("bthd,hde->bte", heads, self.o), self.o_bias)
 
     @classmethod
-    def skeleton(cls, embed, heads, kv_heads, head_dim, scale, bias: bool, o_bias: bool, dtype) -> "Attention":
+    def skeleton(cls, embed, heads, kv_heads, head_dim, scale, bias: bool, o_bias: bool, dtype,
+                 qk_norm_eps: float | None = None) -> "Attention":
+        """``qk_norm_eps``: give the attention OLMo's whole-projection q_norm / k_norm with this eps."""
         b = lambda *d: shape(*d, dtype=dtype) if bias else None
+        norm = lambda n: None if qk_norm_eps is None else RMSNorm.skeleton(n * head_dim, qk_norm_eps, dtype, True)
         return cls(
             shape(embed, heads, head_dim, dtype=dtype), shape(embed, kv_heads, head_dim, dtype=dtype),
             shape(embed, kv_heads, head_dim, dtype=dtype), shape(heads, head_dim, embed, dtype=dtype),
             b(heads, head_dim), b(kv_heads, head_dim), b(kv_heads, head_dim),
-            shape(embed, dtype=dtype) if o_bias else None, scale,
+            shape(embed, dtype=dtype) if o_bias else None, scale, norm(heads), norm(kv_heads),
         )
 
 
@@ -135,6 +161,10 @@ class PreNormBlock(eqx.Module):
     the stream (the identity here; families with post-norms or multipliers
     override it), so ``layer_input + attention_output + mlp_output ==
     layer_output`` holds exactly on every subclass.
+
+    ``mixer`` names the mixer's host: ``self_attn`` here, ``linear_attn`` on a
+    block whose ``attn`` is a linear-attention mixer called the same way
+    (``attn(x, cos_sin, mask, s)``).
     """
 
     attention_norm: RMSNorm
@@ -142,16 +172,50 @@ class PreNormBlock(eqx.Module):
     mlp_norm: RMSNorm
     mlp: GatedMLP
 
+    mixer: ClassVar[str] = "self_attn"
+
     def contribution(self, sublayer: str, y, s):
         return y
 
     def __call__(self, h: Float[Array, "batch seq embed"], cos_sin, mask, s) -> Float[Array, "batch seq embed"]:
         x = s("layers.layer_input", h)
         a = self.attn(s("layers.attention_norm_output", self.attention_norm(x)), cos_sin, mask, s)
-        a = s("layers.self_attn.attention_output", self.contribution("self_attn", a, s))
+        a = s(f"layers.{self.mixer}.attention_output", self.contribution(self.mixer, a, s))
         mid = s("layers.layer_mid", x + a)
         m_in = s("layers.mlp_input", s("layers.mlp_norm_output", self.mlp_norm(mid)))
         m = s("layers.mlp.mlp_output", self.contribution("mlp", self.mlp(m_in, s), s))
+        return s("layers.layer_output", mid + m)
+
+
+class PostNormBlock(eqx.Module):
+    """OLMo-2/3's block: the sublayers read the raw stream and are normed before the add.
+
+        h   = x + attention_post_norm(attn(x))
+        out = h + mlp_post_norm(mlp(h))
+
+    There is no input norm, so the block has no ``attention_norm_output`` or
+    ``mlp_norm_output``; the attention reads ``layer_input`` and
+    ``mlp_input`` is ``layer_mid`` itself. ``attention_output`` and
+    ``mlp_output`` are the post-norms' outputs (what the stream receives), so
+    ``layer_input + attention_output + mlp_output == layer_output`` exactly.
+    Taps in PreNormBlock's order. The post-norms' outputs are ``rounded`` so the
+    stream adds exactly the values read (and edited) there. (HF names:
+    ``post_attention_layernorm`` is ``attention_post_norm``,
+    ``post_feedforward_layernorm`` is ``mlp_post_norm``.)
+    An edit at ``mlp_input`` reaches the MLP only; edit ``layer_mid`` to change
+    the stream too.
+    """
+
+    attn: Attention
+    attention_post_norm: RMSNorm
+    mlp: GatedMLP
+    mlp_post_norm: RMSNorm
+
+    def __call__(self, h: Float[Array, "batch seq embed"], cos_sin, mask, s) -> Float[Array, "batch seq embed"]:
+        x = s("layers.layer_input", h)
+        a = s("layers.self_attn.attention_output", rounded(self.attention_post_norm(self.attn(x, cos_sin, mask, s))))
+        mid = s("layers.layer_mid", x + a)
+        m = s("layers.mlp.mlp_output", rounded(self.mlp_post_norm(self.mlp(s("layers.mlp_input", mid), s))))
         return s("layers.layer_output", mid + m)
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jstd.config import ModelConfig
@@ -27,24 +25,12 @@ from jstd.kernels.attention import positions_and_mask
 from jstd.kernels.rope import Rotary, rotary_from_config
 from jstd.models.base import Family, param, shape, stacked
 from jstd.models.layers import Attention, GatedMLP, PreNormBlock, RMSNorm, stack
+from jstd.models.stack import scan_blocks
 from jstd.sites import SITES
 
 TEXT_SITES = frozenset(
     n for n, s in SITES.items() if s.family is None and (s.host in ("model", "layers", "layers.self_attn", "layers.mlp"))
 )
-
-
-def scan_blocks(blocks, h, tap, body_args, layer_offset: int = 0):
-    """Run stacked ``blocks`` over ``h`` under ``lax.scan``; returns (h, stacked reads)."""
-    num = jax.tree.leaves(blocks)[0].shape[0]
-
-    def body(h, xs):
-        block, i = xs
-        s = tap.scope(layer=i + layer_offset, stack_index=i)
-        h = block(h, *body_args, s)
-        return h, s.records
-
-    return jax.lax.scan(body, h, (blocks, jnp.arange(num)))
 
 
 class Llama(Family):

@@ -11,6 +11,27 @@ family's ``eager_attention_forward`` for the duration of a call.
 Edits are ``TorchEdit(site, fn, layer=None)``: ``fn`` maps the site's value (in
 jstd's layout) to the new value. Inputs of modules are edited in place, so the
 residual stream that shares the tensor sees the edit too (as nnsight does).
+
+A plan entry is ``(module path, where)`` or ``(module path, where, scale)``.
+With a scale, the site is a computed copy, not the module's tensor: its value
+is the module's tensor times ``scale`` (a number, or the name of a config
+attribute such as ``"residual_multiplier"``), and an edit reaches the model as
+the edited copy divided by ``scale``, handed back in the module's place (the
+round trip nnsight makes for HyperCLOVA X's ``attention_output``).
+
+On hybrids a plan value may be a dict from layer type (``config.layer_types``)
+to an entry: each block is hooked by its own type's entry, and a type without
+one has no such site (e.g. ``attention_norm_output`` on OLMo-Hybrid's
+attention blocks). Block sites come back stacked over the blocks that have them.
+
+The gated DeltaNet interior (``layers.linear_attn.*`` but ``attention_output``)
+comes from a capturing wrapper bound in place of the family's
+``torch_chunk_gated_delta_rule`` during a call: it taps the kernel's inputs
+(queries and keys before the kernel's l2 norm), the initial state (zeros
+without a cache; an edit there is what the kernel starts from), the final
+state (asked for whatever ``output_final_state`` says) and the output.
+``states`` is recomputed, only when read, token by token with the family's
+``torch_recurrent_gated_delta_rule`` from the same (edited) inputs.
 """
 
 from __future__ import annotations
@@ -24,7 +45,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-# site -> (module path with {i} for the block, where: "in" | "out" | "out0")
+# site -> (module path with {i} for the block, where: "in" | "out" | "out0"[, scale])
 LLAMA_PLAN = {
     "token_embeddings": ("model.embed_tokens", "out"),
     "layers.layer_input": ("model.layers.{i}", "in"),
@@ -49,6 +70,19 @@ ATTENTION_INTERIOR = (
     "layers.self_attn.attention_scores",
     "layers.self_attn.attention_probabilities",
     "layers.self_attn.attention_head_outputs",
+)
+
+
+LINEAR_INTERIOR = (
+    "layers.linear_attn.attention_queries",
+    "layers.linear_attn.attention_keys",
+    "layers.linear_attn.attention_values",
+    "layers.linear_attn.decays",
+    "layers.linear_attn.betas",
+    "layers.linear_attn.state_input",
+    "layers.linear_attn.states",
+    "layers.linear_attn.state_output",
+    "layers.linear_attn.attention_head_outputs",
 )
 
 
@@ -82,7 +116,8 @@ class TorchReference:
         return self.model.config.num_hidden_layers
 
     def sites(self):
-        return tuple(self.plan) + ATTENTION_INTERIOR + ("logits", "next_token_probs")
+        linear = LINEAR_INTERIOR if hasattr(self.modeling, "torch_chunk_gated_delta_rule") else ()
+        return tuple(self.plan) + ATTENTION_INTERIOR + linear + ("logits", "next_token_probs")
 
     def run(self, tokens, reads=(), edits=(), attention_mask=None) -> dict[str, np.ndarray]:
         reads = tuple(reads) or self.sites()
@@ -97,7 +132,7 @@ class TorchReference:
                 got.setdefault(site, {})[layer] = _to_jstd(site, value, self.model).detach().float().clone()
             return value
 
-        with torch.no_grad(), self._hooks(tap), self._attention(tap):
+        with torch.no_grad(), self._hooks(tap), self._attention(tap), self._linear_attention(tap, reads):
             ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
             mask = None if attention_mask is None else torch.as_tensor(np.asarray(attention_mask), dtype=torch.long)
             logits = self.model(input_ids=ids, attention_mask=mask).logits
@@ -123,16 +158,33 @@ class TorchReference:
     @contextlib.contextmanager
     def _hooks(self, tap):
         handles = []
-        for site, (path, where) in self.plan.items():
-            layers = range(self.num_layers) if "{i}" in path else [None]
-            for i in layers:
+        for site, entry in self.plan.items():
+            for i, (path, where, *scale) in self._blocks(entry):
+                through = tap if not scale else self._scaled(tap, scale[0])
                 module = self._module(path.format(i=i))
-                handles.append(self._hook(module, site, i, where, tap))
+                handles.append(self._hook(module, site, i, where, through))
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+
+    def _blocks(self, entry):
+        """(block index or None, entry) for each module a plan entry hooks."""
+        if isinstance(entry, dict):  # by layer type: a block whose type has no entry has no such site
+            types = self.model.config.layer_types
+            return [(i, entry[t]) for i, t in enumerate(types) if t in entry]
+        return [(i, entry) for i in (range(self.num_layers) if "{i}" in entry[0] else [None])]
+
+    def _scaled(self, tap, scale):
+        """``tap`` for a site that is the module's tensor times ``scale``; edits come back divided by it."""
+        factor = getattr(self.model.config, scale) if isinstance(scale, str) else scale
+
+        def through(site, layer, x):
+            copy = x * factor
+            new = tap(site, layer, copy)
+            return x if new is copy else new / factor
+        return through
 
     @staticmethod
     def _hook(module, site, layer, where, tap):
@@ -177,3 +229,52 @@ class TorchReference:
             yield
         finally:
             self.modeling.eager_attention_forward = original
+
+    @contextlib.contextmanager
+    def _linear_attention(self, tap, reads):
+        chunk = getattr(self.modeling, "torch_chunk_gated_delta_rule", None)
+        if chunk is None:
+            yield
+            return
+        recurrent = self.modeling.torch_recurrent_gated_delta_rule
+        current = {}
+        handles = [
+            m.register_forward_pre_hook(lambda mod, args, i=m.layer_idx: current.update(layer=i))
+            for name, m in self.model.named_modules() if name.endswith("linear_attn")
+        ]
+
+        def capture(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, **kwargs):
+            i = current["layer"]
+            site = "layers.linear_attn."
+            query = tap(site + "attention_queries", i, query)
+            key = tap(site + "attention_keys", i, key)
+            value = tap(site + "attention_values", i, value)
+            g = tap(site + "decays", i, g)
+            beta = tap(site + "betas", i, beta)
+            if initial_state is None:
+                b, _, _, dk = key.shape
+                initial_state = torch.zeros(b, value.shape[2], dk, value.shape[3], dtype=torch.float32)
+            initial_state = tap(site + "state_input", i, initial_state)
+            out, final = chunk(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                               output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+            if site + "states" in reads:
+                state, states = initial_state, []
+                for t in range(query.shape[1]):
+                    one = lambda x: x[:, t:t + 1]
+                    _, state = recurrent(one(query), one(key), one(value), g=one(g), beta=one(beta),
+                                         initial_state=state, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                    states.append(state)
+                tap(site + "states", i, torch.stack(states, dim=1))
+            final = tap(site + "state_output", i, final)
+            out = tap(site + "attention_head_outputs", i, out)
+            return out, (final if output_final_state else None)
+
+        self.modeling.torch_chunk_gated_delta_rule = capture
+        try:
+            yield
+        finally:
+            self.modeling.torch_chunk_gated_delta_rule = chunk
+            for h in handles:
+                h.remove()

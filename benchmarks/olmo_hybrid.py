@@ -1,0 +1,120 @@
+"""OLMo-Hybrid forward speed against transformers, and compile time versus depth.
+
+The model: an 8-block, 512-wide OLMo-Hybrid (the released layout: three
+DeltaNet blocks then one attention block, twice; 8 heads, DeltaNet keys 48 and
+values 96 wide per head as the config derives them, intermediate 1408, vocab
+8192, no rotary), batch 4 x 256 tokens, float32 on the CPU; torch runs
+transformers' model (sdpa attention, its pure-torch chunked delta rule: the
+path without flash-linear-attention) in the same process, runs interleaved.
+Prints a markdown table of ratios.
+
+    python benchmarks/olmo_hybrid.py [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from common import checkpoint
+
+SIZE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=8, vocab_size=8192,
+            max_position_embeddings=1024, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1,
+            rope_parameters=dict(rope_type="default", rope_theta=None))
+BATCH, SEQ = 4, 256
+STATES = ("layers.layer_output", "layers.linear_attn.state_output")
+
+
+def olmo_config(layers):
+    from transformers import OlmoHybridConfig
+
+    return OlmoHybridConfig(num_hidden_layers=layers, **{**SIZE, "rope_parameters": dict(SIZE["rope_parameters"])})
+
+
+def compile_seconds(layers: int) -> float:
+    """Trace + compile time of jit(run) on a model of ``layers`` blocks (shapes only, no weights)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jstd
+    from jstd.models.olmo_hybrid import OlmoHybrid
+
+    skeleton = OlmoHybrid.skeleton(olmo_config(layers), jnp.float32)
+    tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    t = time.perf_counter()
+    jax.jit(jstd.run).lower(skeleton, tokens).compile()
+    return time.perf_counter() - t
+
+
+def interleaved(runs: dict, repeats: int) -> dict:
+    """Median wall time of each callable, runs interleaved so that machine noise hits all alike."""
+    for f in runs.values():
+        f()
+        f()
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, f in runs.items():
+            t = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    import jax
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import jstd
+
+    work = Path(tempfile.gettempdir()) / "jstd-bench"
+    folder = checkpoint(olmo_config(8), work / "olmo-hybrid-8x512")
+    tokens = np.random.default_rng(0).integers(0, SIZE["vocab_size"], (BATCH, SEQ))
+
+    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
+    ids = torch.as_tensor(tokens)
+
+    def torch_forward():
+        with torch.inference_mode():
+            return ref(input_ids=ids).logits
+
+    model = jstd.load(folder)
+    logits_only = jax.jit(jstd.run)
+    reads = jax.jit(jstd.run, static_argnames="reads")
+    t = interleaved({
+        "torch": torch_forward,
+        "jstd": lambda: logits_only(model, tokens).logits.block_until_ready(),
+        "reads": lambda: jax.block_until_ready(reads(model, tokens, reads=STATES).values),
+    }, args.repeats)
+    with torch.inference_mode():
+        want = ref(input_ids=ids).logits.numpy()
+    got = np.asarray(logits_only(model, tokens).logits)
+    err = np.abs(got - want).max() / np.abs(want).max()
+
+    c16, c64 = compile_seconds(16), compile_seconds(64)  # depths not compiled above (no cache hit)
+    tok_s = lambda s: BATCH * SEQ / s
+    rows = [
+        ("forward throughput, logits only (jstd / torch)", f"{t['torch'] / t['jstd']:.2f}x",
+         f"jstd {tok_s(t['jstd']):,.0f} tok/s, torch {tok_s(t['torch']):,.0f} tok/s; logits max rel. diff {err:.1e}"),
+        ("reading every block's layer_output and DeltaNet state_output (overhead over logits only)",
+         f"{(t['reads'] / t['jstd'] - 1) * 100:+.1f}%", f"{t['reads'] * 1e3:.1f} ms vs {t['jstd'] * 1e3:.1f} ms"),
+        ("compile time, 64 blocks / 16 blocks", f"{c64 / c16:.2f}x", f"{c64:.2f} s vs {c16:.2f} s"),
+    ]
+    print(f"torch {torch.__version__} threads {torch.get_num_threads()}, jax {jax.__version__}, "
+          f"{os.cpu_count()} cores; batch {BATCH} x {SEQ} tokens, float32")
+    print("| figure | ratio | detail |\n| --- | --- | --- |")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+
+
+if __name__ == "__main__":
+    main()

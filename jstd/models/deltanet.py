@@ -1,0 +1,141 @@
+"""The gated DeltaNet mixer (linear attention) and the pre-norm block around it.
+
+    q, k, v = silu(causal_conv(x @ W_q)), silu(causal_conv(x @ W_k)), silu(causal_conv(x @ W_v))
+    decay   = -exp(A_log) · softplus(x @ W_a + dt_bias)          # log decay, float32
+    beta    = sigmoid(x @ W_b)  (· 2 with linear_allow_neg_eigval)
+    y, S    = gated_delta_rule(q, k, v, decay, beta, S0)         # l2-normed q, k inside
+    out     = o_proj(rms_norm(y) · silu(x @ W_g))                # per value head
+
+as transformers' ``OlmoHybridGatedDeltaNet``. The causal convolutions are
+depthwise, ``conv_width`` taps wide, zero-padded on the left. With a padding
+mask, ``x`` is zeroed at padded positions first (transformers'
+``apply_mask_to_padding_states``): with left padding the state stays exactly
+zero through the padding, so a padded row equals its unpadded prompt.
+
+Taps (``layers.linear_attn.*``), in order: ``attention_queries``,
+``attention_keys`` ``[batch, seq, qk_heads, key_dim]`` (after the convolution
+and its SiLU, before the kernel's l2 norm), ``attention_values``
+``[batch, seq, heads, value_dim]``, ``decays``, ``betas`` ``[batch, seq,
+heads]``, ``state_input`` (zeros: the state a prompt starts from; an edit there
+is the kernel's initial state), ``states`` (read-only: the state after every
+token, formed only when read), ``state_output``, ``attention_head_outputs``
+(the kernel's output, before the gated norm and ``o_proj``). States are
+float32 ``[batch, heads, key_dim, value_dim]``. When ``states`` is read,
+``state_output`` is its last entry, so ``states[:, -1] == state_output``
+exactly.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from jstd.kernels.gated_delta import chunk_gated_delta_rule
+from jstd.models.base import param, shape
+from jstd.models.layers import GatedMLP, PreNormBlock, RMSNorm, activation
+
+SITE = "layers.linear_attn."
+
+
+def causal_conv(x: Float[Array, "batch seq heads dim"], w: Float[Array, "width heads dim"]) -> Float[Array, "batch seq heads dim"]:
+    """Depthwise causal convolution along seq: ``out[t] = sum_j w[j] x[t - width + 1 + j]``, zeros before 0.
+
+    Accumulated in float32 (as torch's conv1d), cast back to ``x``'s dtype.
+    """
+    width, seq = w.shape[0], x.shape[1]
+    padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (width - 1, 0), (0, 0), (0, 0)))
+    w = w.astype(jnp.float32)
+    out = padded[:, 0:seq] * w[0]
+    for j in range(1, width):
+        out = out + padded[:, j:j + seq] * w[j]
+    return out.astype(x.dtype)
+
+
+class GatedDeltaNet(eqx.Module):
+    """The gated DeltaNet mixer; called as ``mixer(x, cos_sin, mask, s)`` like softmax attention.
+
+    ``cos_sin`` is unused (the delta rule has no positions); ``mask`` is the
+    ``[batch, seq]`` padding mask (True: a real token) or None. Returns
+    ``o_proj``'s output.
+    """
+
+    q: Float[Array, "embed qk_heads key_dim"] = param("embed", "linear_qk_heads", "key_dim")
+    k: Float[Array, "embed qk_heads key_dim"] = param("embed", "linear_qk_heads", "key_dim")
+    v: Float[Array, "embed heads value_dim"] = param("embed", "linear_heads", "value_dim")
+    q_conv: Float[Array, "width qk_heads key_dim"] = param("conv", "linear_qk_heads", "key_dim")
+    k_conv: Float[Array, "width qk_heads key_dim"] = param("conv", "linear_qk_heads", "key_dim")
+    v_conv: Float[Array, "width heads value_dim"] = param("conv", "linear_heads", "value_dim")
+    a: Float[Array, "embed heads"] = param("embed", "linear_heads")
+    b: Float[Array, "embed heads"] = param("embed", "linear_heads")
+    A_log: Float[Array, "heads"] = param("linear_heads")
+    dt_bias: Float[Array, "heads"] = param("linear_heads")
+    gate: Float[Array, "embed heads value_dim"] = param("embed", "linear_heads", "value_dim")
+    o_norm: RMSNorm
+    o: Float[Array, "heads value_dim embed"] = param("linear_heads", "value_dim", "embed")
+    act: str = eqx.field(static=True)
+    allow_neg_eigval: bool = eqx.field(static=True)
+    chunk_size: int = eqx.field(static=True, default=64)
+
+    def __call__(self, x: Float[Array, "batch seq embed"], cos_sin, mask: Bool[Array, "batch seq"] | None, s):
+        if mask is not None:
+            x = x * mask[..., None].astype(x.dtype)
+        act = activation(self.act)
+        proj = lambda w: jnp.einsum("bte,ehd->bthd", x, w)
+        q = s(SITE + "attention_queries", act(causal_conv(proj(self.q), self.q_conv)))
+        k = s(SITE + "attention_keys", act(causal_conv(proj(self.k), self.k_conv)))
+        v = s(SITE + "attention_values", act(causal_conv(proj(self.v), self.v_conv)))
+        a = jnp.einsum("bte,eh->bth", x, self.a).astype(jnp.float32)
+        decay = -jnp.exp(self.A_log.astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias.astype(jnp.float32))
+        decay = s(SITE + "decays", decay)
+        beta = jax.nn.sigmoid(jnp.einsum("bte,eh->bth", x, self.b))
+        beta = s(SITE + "betas", beta * 2.0 if self.allow_neg_eigval else beta)
+
+        batch, heads, key_dim, value_dim = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
+        initial = None
+        if s.touches(SITE + "state_input"):
+            initial = s(SITE + "state_input", jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32))
+        with_states = s.touches(SITE + "states")
+        result = chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=initial, use_qk_l2norm=True,
+                                        chunk_size=self.chunk_size, return_states=with_states)
+        if with_states:
+            y, _, states = result
+            states = s(SITE + "states", states)
+            final = states[:, -1]
+        else:
+            y, final = result
+        s(SITE + "state_output", final)  # what a cache would keep; nothing downstream reads it
+        y = s(SITE + "attention_head_outputs", y)
+
+        gate = proj(self.gate)
+        y = (self.o_norm(y).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(y.dtype)
+        return jnp.einsum("bthd,hde->bte", y, self.o)
+
+    @classmethod
+    def skeleton(cls, embed, qk_heads, heads, key_dim, value_dim, width, act, allow_neg_eigval, norm_eps, dtype):
+        return cls(
+            shape(embed, qk_heads, key_dim, dtype=dtype), shape(embed, qk_heads, key_dim, dtype=dtype),
+            shape(embed, heads, value_dim, dtype=dtype),
+            shape(width, qk_heads, key_dim, dtype=dtype), shape(width, qk_heads, key_dim, dtype=dtype),
+            shape(width, heads, value_dim, dtype=dtype),
+            shape(embed, heads, dtype=dtype), shape(embed, heads, dtype=dtype),
+            shape(heads, dtype=dtype), shape(heads, dtype=dtype),
+            shape(embed, heads, value_dim, dtype=dtype),
+            RMSNorm.skeleton(value_dim, norm_eps, dtype),
+            shape(heads, value_dim, embed, dtype=dtype),
+            act, bool(allow_neg_eigval),
+        )
+
+
+class DeltaNetBlock(PreNormBlock):
+    """Llama's pre-norm block with a gated DeltaNet mixer: h = x + linear_attn(norm(x)); out = h + mlp(norm(h))."""
+
+    attention_norm: RMSNorm
+    attn: GatedDeltaNet
+    mlp_norm: RMSNorm
+    mlp: GatedMLP
+
+    mixer: ClassVar[str] = "linear_attn"

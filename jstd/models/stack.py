@@ -1,0 +1,149 @@
+"""Running a stack of blocks under ``lax.scan``, one repeating period of block kinds per step.
+
+A model's blocks each have a *kind* (``config.layer_types``: ``full_attention``
+on every Llama block; ``linear_attention`` and ``full_attention`` on a hybrid).
+Each kind's blocks are stacked on a leading axis, in block order. The stack
+runs as the shortest period ``P`` with ``kinds[i] == P[i % len(P)]``: a
+``lax.scan`` over the ``n = len(kinds) // len(P)`` whole periods whose body runs
+the ``len(P)`` blocks of one period in order (the kinds' parameters reshaped to
+``[n, per_period, ...]``), then the tail (the first ``len(kinds) % len(P)``
+blocks of ``P``) once more, unrolled. Compile time depends on the period, not
+on the depth. (A list of kinds with no shorter repetition is its own period.)
+
+Each block gets a scope whose taps know, for every site, the block's index
+among the blocks the site's values are stacked over (``blocks_for(site)``), so
+stacked edits index the right row. The recorded reads come back reassembled in
+block order: ``reads["layers.X"]`` is stacked over ``blocks_for("layers.X")``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def period_of(kinds: Sequence[str]) -> int:
+    """The length of the shortest ``P`` with ``kinds[i] == P[i % len(P)]`` for every block."""
+    kinds = tuple(kinds)
+    return next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
+
+
+class BlockScope:
+    """The taps of one block: one ``tap.scope`` per group of blocks a site is stacked over.
+
+    ``stack_index(group_kinds)`` gives the block's (possibly traced) index among
+    the blocks whose kind is in ``group_kinds``.
+    """
+
+    def __init__(self, tap, layer, group_of: Callable[[str], frozenset], stack_index: Callable[[frozenset], object]):
+        self.tap = tap
+        self.layer = layer
+        self._group_of = group_of
+        self._stack_index = stack_index
+        self._scopes: dict[frozenset, object] = {}
+
+    def touches(self, *sites: str) -> bool:
+        return self.tap.touches(*sites)
+
+    def __call__(self, site: str, value):
+        group = self._group_of(site)
+        if group not in self._scopes:
+            self._scopes[group] = self.tap.scope(layer=self.layer, stack_index=self._stack_index(group))
+        return self._scopes[group](site, value)
+
+    @property
+    def records(self) -> dict:
+        return {k: v for scope in self._scopes.values() for k, v in scope.records.items()}
+
+
+def scan_period(
+    h,
+    tap,
+    kinds: Sequence[str],
+    stacks: Mapping[str, object],
+    args: Mapping[str, tuple],
+    blocks_for: Callable[[str], Sequence[int]],
+):
+    """Run every block over ``h`` in order; return ``(h, reads)``.
+
+    kinds: each block's kind, in block order.
+    stacks: kind -> that kind's blocks stacked on a leading axis, in block order;
+        a block is called as ``block(h, *args[kind], scope)`` and returns the new h.
+    blocks_for: site -> the blocks its values are stacked over; each such set
+        must be all the blocks of some kinds.
+
+    Raises ValueError when a stack's length does not match the kinds, or when a
+    site's blocks are not all the blocks of some kinds.
+    """
+    kinds = tuple(kinds)
+    L = len(kinds)
+    p = period_of(kinds)
+    n, tail = divmod(L, p)
+    pattern = kinds[:p]
+    for kind, blocks in stacks.items():
+        rows = jax.tree.leaves(blocks)[0].shape[0]
+        if rows != kinds.count(kind):
+            raise ValueError(f"{rows} stacked {kind} blocks, but the layer types have {kinds.count(kind)}")
+    rank = [pattern[:q].count(pattern[q]) for q in range(p)]  # a block's index among its kind in a period
+
+    groups: dict[str, frozenset] = {}
+
+    def group_of(site: str) -> frozenset:
+        if site not in groups:
+            blocks = tuple(blocks_for(site))
+            group = frozenset(kinds[i] for i in blocks)
+            if blocks != tuple(i for i, k in enumerate(kinds) if k in group):
+                raise ValueError(f"{site} is stacked over blocks {list(blocks)}, which are not all the blocks of some kinds")
+            groups[site] = group
+        return groups[site]
+
+    def run_period(h, params, j, width):
+        """Blocks ``j * p + q`` for q < width; params: kind -> [count in pattern[:width], ...]."""
+        records = []
+        for q in range(width):
+            kind = pattern[q]
+            block = jax.tree.map(lambda a: a[rank[q]], params[kind])
+
+            def stack_index(group, q=q):
+                return j * sum(k in group for k in pattern) + sum(k in group for k in pattern[:q])
+
+            s = BlockScope(tap, j * p + q, group_of, stack_index)
+            h = block(h, *args[kind], s)
+            records.append(s.records)
+        return h, records
+
+    per_period = {kind: pattern.count(kind) for kind in stacks}
+
+    def body(h, xs):
+        params, j = xs
+        return run_period(h, params, j, p)
+
+    whole = {kind: jax.tree.map(lambda a: a[: n * c].reshape(n, c, *a.shape[1:]), stacks[kind])
+             for kind, c in per_period.items() if c}
+    h, period_reads = jax.lax.scan(body, h, (whole, jnp.arange(n)))
+    tail_reads = []
+    if tail:
+        rest = {kind: jax.tree.map(lambda a: a[n * c:], stacks[kind]) for kind, c in per_period.items()}
+        h, tail_reads = run_period(h, rest, n, tail)
+
+    reads = {}
+    for site in {site for r in period_reads + tail_reads for site in r}:
+        parts = [r[site] for r in period_reads if site in r]  # each [n, ...], one per position in the period
+        value = parts[0] if len(parts) == 1 else jnp.stack(parts, axis=1).reshape(n * len(parts), *parts[0].shape[1:])
+        extra = [r[site] for r in tail_reads if site in r]
+        if extra:
+            value = jnp.concatenate([value, jnp.stack(extra)])
+        if value.shape[0] != len(blocks_for(site)):
+            raise ValueError(f"{site}: {value.shape[0]} blocks recorded it, but it is stacked over {len(blocks_for(site))}")
+        reads[site] = value
+    return h, reads
+
+
+def scan_blocks(blocks, h, tap, body_args, blocks_for=None):
+    """Run stacked ``blocks`` of one kind over ``h`` (one block per scan step); returns (h, stacked reads)."""
+    num = jax.tree.leaves(blocks)[0].shape[0]
+    every = tuple(range(num))
+    return scan_period(h, tap, ("block",) * num, {"block": blocks}, {"block": tuple(body_args)},
+                       blocks_for or (lambda site: every))
