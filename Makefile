@@ -5,19 +5,27 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test bench docs
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.core
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+$(VENV)/.bench: $(VENV)/.test
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.core
 	$(VENV)/bin/jstd demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.test
 	$(PY) -m pytest tests
 
-docs: $(VENV)/.installed
+docs: $(VENV)/.core
 	$(PY) -c 'from jstd.sites import values_markdown; print(values_markdown(), end="")' > docs/values.md
 
-bench: $(VENV)/.installed
-	$(PY) benchmarks/forward.py
+bench: $(VENV)/.bench
+	for b in forward patching gated_delta olmo_hybrid; do $(PY) benchmarks/$$b.py; done

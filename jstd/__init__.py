@@ -4,6 +4,12 @@
     out = jax.jit(jstd.run, static_argnames="reads")(model, tokens, edits, reads=("layers.layer_output",))
 """
 
+from jstd.interventions import (
+    AddAt, LogitAttribution, SetAt, TokenizationError, TopK, attribution_patching, contrastive_vector,
+    direct_logit_attribution, get_first_tokens, kl_divergence, logit_difference, logit_lens, mean_ablation,
+    next_token_probs, optimize, patch, patch_sweep, resample_ablation, site_mean, steer, target_probability, top_k,
+    zero_ablation,
+)
 from jstd.interventions.edits import Add, Apply, Edit, Scale, Set, Zero
 from jstd.io.load import load
 from jstd.io.safetensors import CheckpointError
@@ -29,4 +35,10 @@ __all__ = [
     "load", "load_processor", "run", "Outputs", "project_on_vocab",
     "Edit", "Set", "Add", "Scale", "Zero", "Apply",
     "SITES", "Site", "SiteError", "CheckpointError", "logical_axes",
+    # interventions
+    "SetAt", "AddAt", "zero_ablation", "mean_ablation", "resample_ablation", "site_mean",
+    "patch", "patch_sweep", "logit_difference", "target_probability", "kl_divergence",
+    "steer", "contrastive_vector", "optimize",
+    "logit_lens", "get_first_tokens", "top_k", "TopK", "next_token_probs", "TokenizationError",
+    "direct_logit_attribution", "LogitAttribution", "attribution_patching",
 ]

@@ -1,0 +1,272 @@
+"""Residual-stream patching sweep: jstd's chunked, vmapped ``patch_sweep`` against a loop of nnsight traces.
+
+The model: forward.py's 8-block, 512-wide Llama (8 heads over 4 kv heads,
+intermediate 1408, vocab 8192), float32 on the CPU. One prompt of 64 tokens
+and a corrupted copy (tokens 20 and 40 changed); the metric is the logit
+difference of two tokens at the last position. The sweep patches
+``layers.layer_output`` at every (block, position): 8 x 64 = 512 patched runs.
+
+nnsight runs on the same torch model (transformers, sdpa attention) in the same
+process: the clean block outputs are saved in one trace, then one trace per
+entry sets ``model.layers[l].output[:, p]`` and saves the logits. Torch uses
+whichever of 1 or all threads runs its forward faster here.
+
+A third row times ``prefix_reuse_sweep`` below: a prototype (not part of
+jstd) of the core hook that ``patch_sweep`` would use to skip the blocks before
+the patched one and the positions before the patched one. It reuses the
+corrupted run's keys and values for the prefix and packs the suffixes from
+``p`` and ``63 - p`` into one row of 65 tokens, so every chunk has one shape.
+
+Peak memory: in a fresh process (glibc told to return large blocks at once),
+RSS is sampled every 2 ms during a warm sweep under a budget, for two sweep
+sizes; the peak above the RSS before the sweep is what the sweep used.
+
+    python benchmarks/patching.py [--repeats 3] [--nnsight-entries 512] [--device cuda] [--no-memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jstd
+from common import checkpoint
+from forward import SIZE, llama_config
+
+SEQ = 64
+SITE = "layers.layer_output"
+TARGET, OTHER = 11, 42
+_PREFIX_CHUNK = jax.jit(lambda *a: _prefix_chunk(*a))
+
+
+def prompts():
+    clean = np.random.default_rng(0).integers(0, SIZE["vocab_size"], (1, SEQ))
+    corrupt = clean.copy()
+    corrupt[0, [20, 40]] = [7, 8]
+    return clean, corrupt
+
+
+def jstd_sweep(model, clean, corrupt, budget, layers=None, progress=False):
+    metric = jstd.logit_difference(TARGET, OTHER)
+    return jstd.patch_sweep(model, clean, corrupt, SITE, metric, layers=layers, memory_budget=budget,
+                            progress=progress).block_until_ready()
+
+
+def nnsight_sweep(ref, clean, corrupt, entries, device="cpu"):
+    """One nnsight trace per (block, position) entry; returns {entry: metric}."""
+    import torch
+    from nnsight import NNsight
+
+    lm = NNsight(ref)
+    clean_t, corrupt_t = torch.as_tensor(clean, device=device), torch.as_tensor(corrupt, device=device)
+    saved = []
+    with torch.no_grad(), lm.trace(input_ids=clean_t):
+        for layer in range(len(ref.model.layers)):
+            saved.append(lm.model.layers[layer].output.save())
+    out = {}
+    for layer, pos in entries:
+        with torch.no_grad(), lm.trace(input_ids=corrupt_t):
+            lm.model.layers[layer].output[:, pos] = saved[layer][:, pos]
+            logits = lm.output.logits.save()
+        last = logits[0, -1]
+        out[layer, pos] = float(last[TARGET] - last[OTHER])
+    return out
+
+
+# ---- prototype of the prefix-reuse hook (Llama blocks, residual stream; not part of jstd) -------------
+
+
+def packed_rows(seq: int):
+    """Rows pairing the suffix from p with the suffix from seq-1-p (seq + 1 tokens per row).
+
+    Returns, each [seq // 2, seq + 1]: every token's position in the prompt, the
+    patched position of its segment (it attends to cached keys before it), its
+    segment (0 or 1); and [seq // 2, 2], the index of each segment's last token.
+    """
+    rows = seq // 2
+    pos, start, seg = (np.zeros((rows, seq + 1), np.int32) for _ in range(3))
+    for r in range(rows):
+        a, b = np.arange(r, seq), np.arange(seq - 1 - r, seq)
+        pos[r] = np.concatenate([a, b])
+        start[r] = np.concatenate([np.full_like(a, r), np.full_like(b, seq - 1 - r)])
+        seg[r] = np.concatenate([np.zeros_like(a), np.ones_like(b)])
+    ends = np.stack([seq - 1 - np.arange(rows), np.full(rows, seq)], 1)
+    return pos, start, seg, ends
+
+
+def _suffix_block(block, h, cache_k, cache_v, cos_sin, mask, scope):
+    """One Llama block on packed suffix rows whose attention also reads the cached prefix keys and values."""
+    from jstd.kernels import attention
+    from jstd.kernels.rope import apply_rotary
+
+    attn = block.attn
+    x = block.attention_norm(h)
+    q = apply_rotary(attn.project(x, attn.q, attn.q_bias), *cos_sin)
+    k = apply_rotary(attn.project(x, attn.k, attn.k_bias), *cos_sin)
+    v = attn.project(x, attn.v, attn.v_bias)
+    rows = h.shape[0]
+    keys = jnp.concatenate([jnp.broadcast_to(cache_k, (rows,) + cache_k.shape), k], 2)
+    values = jnp.concatenate([jnp.broadcast_to(cache_v, (rows,) + cache_v.shape), v], 2)
+    a = jnp.einsum("bthd,hde->bte", attention.fused(q, keys, values, attn.scale, mask), attn.o)
+    mid = h + (a if attn.o_bias is None else a + attn.o_bias)
+    return mid + block.mlp(block.mlp_norm(mid), scope)
+
+
+def _prefix_chunk(model, layer, corrupt_out, clean_out, cache_k, cache_v, pos, start, seg, ends, target, other):
+    from jstd.tap import Tap
+
+    seq, num_layers = corrupt_out.shape[2], model.config.num_layers
+    h0 = jnp.where((pos == start)[..., None], clean_out[layer, 0][pos], corrupt_out[layer, 0][pos])
+    cos_sin = model.rotary.cos_sin(pos, h0.dtype)
+    own = (seg[:, :, None] == seg[:, None, :]) & (pos[:, None, :] <= pos[:, :, None])
+    cached = jnp.arange(seq)[None, None, :] < start[:, :, None]
+    mask = jnp.concatenate([cached, own], -1)[:, None]
+    scope = Tap(frozenset(), (), num_layers, {}).scope()
+
+    def body(h, xs):
+        block, k, v, i = xs
+        run_block = lambda h: _suffix_block(block, h, k[0], v[0], cos_sin, mask, scope)
+        return jax.lax.cond(i > layer, run_block, lambda h: h, h), None  # blocks up to the patched one: skipped
+
+    h, _ = jax.lax.scan(body, h0, (model.blocks, cache_k, cache_v, jnp.arange(num_layers)))
+    logits = model.project_on_vocab(jnp.take_along_axis(h, ends[:, :, None], 1))  # the head at the last tokens only
+    return logits[..., target] - logits[..., other]
+
+
+def prefix_reuse_sweep(model, clean, corrupt):
+    """The residual patching sweep of ``jstd_sweep``, through the prototype hook: [layers, positions]."""
+    read = jax.jit(jstd.run, static_argnames="reads")
+    sites = ("layers.layer_output", "layers.self_attn.attention_keys", "layers.self_attn.attention_values")
+    c = read(model, corrupt, reads=sites)
+    clean_out = read(model, clean, reads=sites[:1])[sites[0]]
+    seq = corrupt.shape[1]
+    rows = packed_rows(seq)
+    grid = np.zeros((model.config.num_layers, seq), np.float32)
+    for layer in range(model.config.num_layers):  # one chunk per block: one compile, the block index traced
+        d = np.asarray(_PREFIX_CHUNK(model, layer, c[sites[0]], clean_out, c[sites[1]], c[sites[2]], *rows, TARGET, OTHER))
+        grid[layer, : seq // 2], grid[layer, seq - 1 - np.arange(seq // 2)] = d[:, 0], d[:, 1]
+    return grid
+
+
+def peak_memory(folder: Path, budget: int, layers: int) -> dict:
+    """Peak RSS above the level before a warm sweep over ``layers`` blocks x 64 positions, in a fresh process."""
+    code = f"""
+import json, sys, threading, time, psutil, jax
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import jstd
+from patching import jstd_sweep, prompts
+model = jstd.load({str(folder)!r})
+clean, corrupt = prompts()
+layers = list(range({layers}))
+jstd_sweep(model, clean, corrupt, {budget}, layers)          # compile and warm
+proc, peak, done = psutil.Process(), [0], [False]
+def sample():
+    while not done[0]:
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        time.sleep(0.002)
+base = proc.memory_info().rss
+t = threading.Thread(target=sample); t.start()
+jstd_sweep(model, clean, corrupt, {budget}, layers)
+done[0] = True; t.join()
+from jstd.interventions.patching import chunk_size_for
+print(json.dumps(dict(added=peak[0] - base, chunk=chunk_size_for(model, 1, 64, {layers} * 64, {budget}))))
+"""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nnsight-entries", type=int, default=512, help="entries timed with nnsight (all: 512)")
+    parser.add_argument("--budget-mib", type=int, default=1024)
+    parser.add_argument("--device", default="cpu", help="torch device (jax uses its default backend): cpu or cuda")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory rows (CPU only)")
+    args = parser.parse_args()
+    jax.config.update("jax_default_matmul_precision", "highest")  # float32 matmuls as torch does them (GPU: no TF32)
+
+    import nnsight
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = checkpoint(llama_config(8), Path(tempfile.gettempdir()) / "jstd-bench" / "llama-8x512")
+    clean, corrupt = prompts()
+    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
+    ref = ref.to(args.device)
+
+    if args.device == "cpu":  # torch gets its faster thread setting on this machine
+        def forward_time():
+            ids = torch.as_tensor(corrupt)
+            with torch.inference_mode():
+                ref(input_ids=ids)
+                t = time.perf_counter()
+                for _ in range(5):
+                    ref(input_ids=ids)
+            return time.perf_counter() - t
+
+        threads = {}
+        for n in sorted({1, os.cpu_count() or 1}):
+            torch.set_num_threads(n)
+            threads[n] = forward_time()
+        torch.set_num_threads(min(threads, key=threads.get))
+
+    model = jstd.load(folder)
+    budget = args.budget_mib << 20
+
+    def timed(fn):
+        t = time.perf_counter()
+        result = np.asarray(fn())
+        cold = time.perf_counter() - t
+        warm = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            fn()
+            warm.append(time.perf_counter() - t)
+        return result, cold, float(np.median(warm))
+
+    grid, cold, t_jstd = timed(lambda: jstd_sweep(model, clean, corrupt, budget))
+    proto, proto_cold, t_proto = timed(lambda: prefix_reuse_sweep(model, clean, corrupt))
+
+    entries = [(l, p) for l in range(8) for p in range(SEQ)]
+    if args.nnsight_entries < len(entries):
+        entries = [entries[i] for i in np.linspace(0, len(entries) - 1, args.nnsight_entries).round().astype(int)]
+    with torch.device(args.device):
+        t = time.perf_counter()
+        ref_values = nnsight_sweep(ref, clean, corrupt, entries, args.device)
+        t_nnsight = (time.perf_counter() - t) * 512 / len(entries)
+    diff = max(abs(ref_values[e] - grid[e]) for e in entries)
+    diff_proto = max(abs(ref_values[e] - proto[e]) for e in entries)
+
+    mem = {}
+    if jax.default_backend() == "cpu" and not args.no_memory:
+        mem = {(b, l): peak_memory(folder, b << 20, l) for b in (64, 256) for l in (2, 8)}
+
+    some = f"{len(entries)} of 512 entries run with nnsight, its time scaled to 512" if len(entries) < 512 else "all 512 entries run with nnsight"
+    print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} ({args.device}, "
+          f"{torch.get_num_threads()} threads), nnsight {nnsight.__version__}, {os.cpu_count()} cores; {some}")
+    print("| figure | ratio | detail |\n| --- | --- | --- |")
+    print(f"| residual patching sweep, 8 blocks x 64 positions: nnsight loop / jstd.patch_sweep (warm) "
+          f"| {t_nnsight / t_jstd:.1f}x | jstd {t_jstd:.2f} s, nnsight {t_nnsight:.1f} s |")
+    print(f"| the same, jstd including its one compile | {t_nnsight / cold:.1f}x | jstd {cold:.2f} s cold |")
+    print(f"| the same, through the proposed prefix-reuse hook (prototype here, warm / cold) "
+          f"| {t_nnsight / t_proto:.1f}x / {t_nnsight / proto_cold:.1f}x | {t_proto:.2f} s / {proto_cold:.2f} s |")
+    print(f"| max abs difference of the metric vs nnsight: patch_sweep, prototype | {diff:.1e}, {diff_proto:.1e} "
+          f"| logit difference (scale {np.abs(grid).max():.2f}) |")
+    for (b, l), m in mem.items():
+        print(f"| peak memory of a {l * 64}-entry sweep / its budget of {b} MiB | {m['added'] / (b << 20):.2f} "
+              f"| {m['added'] / 2**20:.0f} MiB used, chunks of {m['chunk']} |")
+
+
+if __name__ == "__main__":
+    main()

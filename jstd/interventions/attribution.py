@@ -1,0 +1,186 @@
+"""Attribution: direct logit attribution of blocks and heads, and attribution patching.
+
+    dla = jstd.direct_logit_attribution(model, tokens, target=paris, other=london)
+    dla.attention[5], dla.mlp[5], dla.heads[5, :, 3]          # per block, per head, per row
+    est = jstd.attribution_patching(model, clean, corrupt, "layers.layer_output", metric)   # [layers, positions]
+
+Direct logit attribution splits the residual stream at one position into what
+enters block 0 and what each block's attention and MLP add, and reads each
+part through the final norm *with its scale frozen* at the value it takes on the
+whole stream (as TransformerLens does), then through the head. Because the
+final RMSNorm is linear once its scale is frozen, and the head is linear, the
+parts sum to the logit (difference) the model returns, up to float rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jstd.interventions.edits import Add
+from jstd.interventions.selection import read, site_axes
+from jstd.run import run
+from jstd.sites import SITES, SiteError, parse
+
+HEAD_OUTPUTS = "layers.self_attn.attention_head_outputs"
+PARTS = ("layers.layer_input", "layers.self_attn.attention_output", "layers.mlp.mlp_output", "layers.layer_output")
+
+
+class LogitAttribution(eqx.Module):
+    """Direct logit attribution at one position, per batch row.
+
+    embeddings: what enters block 0 (``layers.0.layer_input``).
+    attention, mlp: what each block's attention and MLP add (``attention_output``, ``mlp_output``).
+    heads: each head's share of ``attention`` (its head output through its
+        slice of o_proj; the o_proj bias, when there is one, is in ``attention``
+        but in no head), None when not asked for.
+    logit: the model's own logit (difference) at the position.
+    """
+
+    embeddings: Float[Array, "batch"]
+    attention: Float[Array, "layers batch"]
+    mlp: Float[Array, "layers batch"]
+    heads: Float[Array, "layers batch heads"] | None
+    logit: Float[Array, "batch"]
+
+    def total(self) -> Float[Array, "batch"]:
+        """The sum of the parts, equal to ``logit`` up to float rounding."""
+        return self.embeddings + self.attention.sum(0) + self.mlp.sum(0)
+
+
+def _readout_parts(model):
+    from jstd.models.layers import RMSNorm
+
+    missing = [n for n in ("final_norm", "head", "finish_logits") if not hasattr(model, n)]
+    if missing or not isinstance(model.final_norm, RMSNorm):
+        raise NotImplementedError(f"direct logit attribution needs a final RMSNorm and a linear head; the "
+                                  f"{model.family} family has {'no ' + missing[0] if missing else 'another final norm'}")
+    if tuple(model.layers_with("self_attn")) != tuple(range(model.config.num_layers)):
+        raise NotImplementedError("direct logit attribution reads every block's self_attn and mlp outputs; "
+                                  f"this {model.family} model has blocks without self_attn")
+    return model.final_norm, model.head, model.finish_logits
+
+
+def direct_logit_attribution(
+    model, tokens: Int[Array, "batch seq"], target, other=None, *, position: int = -1, heads: bool = True, edits=(),
+    attention_mask: Int[Array, "batch seq"] | None = None,
+) -> LogitAttribution:
+    """Each block's (and head's) direct contribution to ``logit[target] - logit[other]`` at ``position``.
+
+    ``target`` / ``other`` are token ids (an int, or one per row); with
+    ``other`` None the attribution is of ``logit[target]`` alone. A part ``c``
+    of the residual stream ``x`` at the position contributes
+    ``readout(w · c · s)``, where ``w`` is the final norm's weight, ``s =
+    1/sqrt(mean(x²) + eps)`` the final norm's scale frozen at ``x``, and
+    ``readout`` the head (and the family's linear scaling after it). The parts
+    sum to the logit (difference) exactly up to float rounding.
+
+    ``heads`` splits each block's attention into its heads, exact where the
+    block adds o_proj's output itself (Llama; HyperCLOVA X without post-norms,
+    times its residual multiplier); raises NotImplementedError on blocks whose
+    attention passes a post-norm (not linear in the heads).
+    """
+    _readout_parts(model)  # raises for a family without a final RMSNorm and a linear head
+    reads = PARTS + ((HEAD_OUTPUTS,) if heads else ())
+    out = read(model, tokens, reads, edits, attention_mask)
+    return _dla(model, out, jnp.asarray(target), None if other is None else jnp.asarray(other), position, heads)
+
+
+@eqx.filter_jit
+def _dla(model, out, target, other, position, heads):
+    final_norm, head, finish = _readout_parts(model)
+    at = lambda name: out[name][:, :, position].astype(jnp.float32)  # [layers, batch, hidden]
+    x = at("layers.layer_output")[-1]  # the final residual stream, [batch, hidden]
+    scale = jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + final_norm.eps)  # frozen, [batch, 1]
+    batch = x.shape[0]
+
+    # the readout direction: the gradient of the (linear) head's logit difference, one per row
+    def readout(normed):
+        logits = finish(head(normed.astype(out.logits.dtype))).astype(jnp.float32)
+        pick = lambda ids: jnp.take_along_axis(logits, jnp.broadcast_to(ids, (batch,))[:, None], -1)[:, 0]
+        return jnp.sum(pick(target) - (0.0 if other is None else pick(other)))
+
+    direction = jax.grad(readout)(jnp.zeros_like(x)) * final_norm.weight.astype(jnp.float32) * scale  # [batch, hidden]
+    dot = lambda c: jnp.einsum("...bh,bh->...b", c, direction)
+    logits = out.logits[:, position].astype(jnp.float32)
+    pick = lambda ids: jnp.take_along_axis(logits, jnp.broadcast_to(ids, (batch,))[:, None], -1)[:, 0]
+    logit = pick(target) - (0.0 if other is None else pick(other))
+
+    per_head = None
+    if heads:
+        blocks = model.blocks
+        if getattr(blocks, "attention_post_norm", None) is not None:
+            raise NotImplementedError("per-head attribution needs a block that adds o_proj's output linearly; "
+                                      "this one passes it through a post-norm (attribute attention_output instead)")
+        multiplier = getattr(blocks, "residual_multiplier", 1.0)
+        h = out[HEAD_OUTPUTS][:, :, position].astype(jnp.float32)  # [layers, batch, heads, head_dim]
+        o = blocks.attn.o.astype(jnp.float32)  # [layers, heads, head_dim, hidden]
+        through_o = jnp.einsum("lbnd,lnde,be->lbn", h, o, direction)
+        per_head = through_o * multiplier
+    return LogitAttribution(
+        embeddings=dot(at("layers.layer_input")[0]),
+        attention=dot(at("layers.self_attn.attention_output")),
+        mlp=dot(at("layers.mlp.mlp_output")),
+        heads=per_head,
+        logit=logit,
+    )
+
+
+def attribution_patching(
+    model, clean: Int[Array, "batch seq"], corrupt: Int[Array, "batch seq"], site: str | Sequence[str], metric, *,
+    heads: bool | None = None, per_element: bool = False, attention_mask: Int[Array, "batch seq"] | None = None,
+):
+    """The linear estimate of ``patch_sweep``'s change in ``metric``: gradient × (clean − corrupt) values.
+
+    One forward and one backward pass on ``corrupt`` give the gradient of
+    ``metric(logits)`` with respect to every block's value at each site (all
+    sites in ``site`` at once); times the clean-minus-corrupt difference of the
+    values, summed over the batch rows and the feature axis, it estimates
+    ``patch_sweep(...) - metric(corrupt run)`` entry by entry, on the same grid:
+    ``[layers, positions(, heads)]`` (heads kept where the site has them and
+    ``heads`` is not False). ``per_element`` returns the unreduced product in
+    the site's stacked layout. Returns one array, or a dict for several sites.
+    """
+    sites = (site,) if isinstance(site, str) else tuple(site)
+    for s in sites:
+        if parse(s)[1] is not None:
+            raise SiteError(f"attribution_patching takes every block of a site ('layers.X'); got {s!r}")
+    clean_values = read(model, clean, sites, (), attention_mask).values
+    grads, corrupt_values = _gradients(model, jnp.asarray(corrupt), attention_mask, metric, sites, clean_values)
+    result = {}
+    for s in sites:
+        product = grads[s].astype(jnp.float32) * (clean_values[s].astype(jnp.float32) - corrupt_values[s].astype(jnp.float32))
+        result[s] = product if per_element else _to_grid(s, product, heads)
+    return result[sites[0]] if isinstance(site, str) else result
+
+
+@eqx.filter_jit
+def _gradients(model, corrupt, attention_mask, metric, sites, like):
+    def f(deltas):
+        edits = [Add(s, deltas[s]) for s in sites]
+        out = run(model, corrupt, edits, reads=sites, attention_mask=attention_mask)
+        return metric(out.logits), out.values
+
+    zeros = {s: jnp.zeros_like(like[s]) for s in sites}
+    grads, values = jax.grad(f, has_aux=True)(zeros)
+    return grads, values
+
+
+def _to_grid(site: str, product: Array, heads: bool | None) -> Array:
+    """Sum a stacked per-element product down to the sweep grid [layers, positions(, heads)]."""
+    per_block = SITES[site].per_block
+    off = 1 if per_block else 0
+    pos_axis, head_axis = site_axes(site)
+    keep = ([0] if per_block else []) + ([off + pos_axis] if pos_axis is not None else [])
+    if head_axis is not None and heads is not False:
+        keep.append(off + head_axis)
+    summed = tuple(a for a in range(product.ndim) if a not in keep)
+    reduced = product.sum(axis=summed)
+    # the sum leaves the kept axes in their layout order; put them in grid order (block, position, head)
+    ranked = sorted(keep)
+    return jnp.transpose(reduced, [ranked.index(a) for a in keep])

@@ -1,0 +1,85 @@
+"""Metrics: functions of the logits that patching, attribution and steering optimize or sweep.
+
+A metric is any function ``logits [batch, seq, vocab] -> array`` (usually a
+scalar). These are equinox modules, so their arrays (targets, reference
+logits) are dynamic and a sweep compiles once per metric kind, not per metric.
+Each averages over the batch rows, at one position (default the last).
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float, Int
+
+
+def _at(logits: Float[Array, "batch seq vocab"], position: int) -> Float[Array, "batch vocab"]:
+    return logits[:, position].astype(jnp.float32)
+
+
+def _pick(x: Float[Array, "batch vocab"], ids) -> Float[Array, "batch"]:
+    ids = jnp.asarray(ids)
+    if ids.ndim == 0:
+        return x[:, ids]
+    if ids.ndim == 1:
+        return jnp.take_along_axis(x, ids[:, None], axis=-1)[:, 0]
+    raise ValueError(f"target ids are an int or one per row [batch], got shape {ids.shape}")
+
+
+class LogitDifference(eqx.Module):
+    """``logits[:, position, target] - logits[:, position, other]``, averaged over rows."""
+
+    target: Int[ArrayLike, "*batch"]
+    other: Int[ArrayLike, "*batch"]
+    position: int = eqx.field(static=True, default=-1)
+
+    def __call__(self, logits: Float[Array, "batch seq vocab"]) -> Float[Array, ""]:
+        x = _at(logits, self.position)
+        return jnp.mean(_pick(x, self.target) - _pick(x, self.other))
+
+
+class TargetProbability(eqx.Module):
+    """The probability of ``target`` at ``position`` (softmax in float32), averaged over rows."""
+
+    target: Int[ArrayLike, "*batch"]
+    position: int = eqx.field(static=True, default=-1)
+
+    def __call__(self, logits: Float[Array, "batch seq vocab"]) -> Float[Array, ""]:
+        return jnp.mean(_pick(jax.nn.softmax(_at(logits, self.position), -1), self.target))
+
+
+class KLDivergence(eqx.Module):
+    """KL(reference || run) of the next-token distributions at ``position``, averaged over rows.
+
+    ``reference`` holds the reference run's logits, ``[batch, vocab]`` at that
+    position or the full ``[batch, seq, vocab]``.
+    """
+
+    reference: Float[Array, "batch vocab"]
+    position: int = eqx.field(static=True, default=-1)
+
+    def __init__(self, reference: Float[ArrayLike, "batch ..."], position: int = -1):
+        reference = jnp.asarray(reference, jnp.float32)
+        self.reference = reference[:, position] if reference.ndim == 3 else reference
+        self.position = position
+
+    def __call__(self, logits: Float[Array, "batch seq vocab"]) -> Float[Array, ""]:
+        log_p = jax.nn.log_softmax(self.reference, -1)
+        log_q = jax.nn.log_softmax(_at(logits, self.position), -1)
+        return jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1))
+
+
+def logit_difference(target, other, *, position: int = -1) -> LogitDifference:
+    """The metric ``logit[target] - logit[other]`` at ``position`` (ids: an int or one per row), mean over rows."""
+    return LogitDifference(jnp.asarray(target), jnp.asarray(other), position)
+
+
+def target_probability(target, *, position: int = -1) -> TargetProbability:
+    """The metric ``p(target)`` at ``position`` (ids: an int or one per row), mean over rows."""
+    return TargetProbability(jnp.asarray(target), position)
+
+
+def kl_divergence(reference_logits, *, position: int = -1) -> KLDivergence:
+    """The metric KL(reference || run) at ``position``, mean over rows."""
+    return KLDivergence(reference_logits, position)

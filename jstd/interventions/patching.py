@@ -1,0 +1,194 @@
+"""Activation patching: a clean run's values into a corrupted run, one patch or a whole sweep.
+
+    m = jstd.patch(model, clean, corrupt, "layers.layer_output", layer=3, positions=5, metric=metric)
+    grid = jstd.patch_sweep(model, clean, corrupt, "layers.layer_output", metric)   # [layers, positions]
+
+A sweep patches every (block, position[, head]) entry one at a time and
+evaluates ``metric(logits)`` on each patched run. The entries run as one jitted
+``vmap`` over chunks whose size keeps the chunk's working memory within
+``memory_budget``; one compile serves every chunk (the last is padded).
+
+Each patched run recomputes every block and position: a patch at block ``l``
+and position ``p`` changes nothing before either, but ``jstd.run`` has no way
+yet to start at block ``l`` from a given stream, or to compute only positions
+from ``p`` on against the corrupted run's cached keys and values.
+``benchmarks/patching.py`` holds a prototype of that hook (about 3-4x faster
+on CPU for a residual sweep).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jstd.interventions.selection import SetAt, block_entry, host_blocks, read, site_axes
+from jstd.run import run
+from jstd.sites import SITES, SiteError, parse
+
+Metric = Callable[[Float[Array, "batch seq vocab"]], Array]
+DEFAULT_BUDGET = 1 << 30
+
+
+def _split(site: str, layer):
+    base, index = parse(site)
+    if index is not None:
+        if layer is not None:
+            raise SiteError(f"{site!r} already names block {index}; drop layer=")
+        return base, index
+    return base, layer
+
+
+def patch(
+    model, clean: Int[Array, "batch seq"], corrupt: Int[Array, "batch seq"], site: str, *, layer=None,
+    positions=None, heads=None, metric: Metric | None = None, attention_mask: Int[Array, "batch seq"] | None = None,
+):
+    """Run ``corrupt`` with ``site`` replaced by its value on ``clean`` at ``layer``, ``positions``, ``heads``.
+
+    ``layer`` None patches every block that has the site (or name one block as
+    ``"layers.5.X"``); ``positions`` / ``heads`` select as ``SetAt`` does (None:
+    all). ``clean`` and ``corrupt`` have the same shape (and share
+    ``attention_mask``). Returns ``metric(logits)`` when a metric is given, the
+    patched run's ``Outputs`` otherwise.
+    """
+    site, layer = _split(site, layer)
+    _check_pair(clean, corrupt)
+    value = read(model, clean, (site,), (), attention_mask)[site]
+    if SITES[site].per_block and layer is not None:
+        value = block_entry(model, site, value, layer)
+    edit = SetAt(site, value, layer=layer, positions=positions, heads=heads)
+    out = read(model, corrupt, (), (edit,), attention_mask)
+    return out if metric is None else metric(out.logits)
+
+
+def _check_pair(clean, corrupt):
+    if np.shape(clean) != np.shape(corrupt):
+        raise ValueError(f"clean {np.shape(clean)} and corrupt {np.shape(corrupt)} tokens must have the same shape "
+                         "(patching is position by position)")
+
+
+class SweepGrid(eqx.Module):
+    """The entries of a sweep: one (block, position, head) triple per entry (unused axes hold zeros)."""
+
+    layers: Int[Array, "n"]
+    positions: Int[Array, "n"]
+    heads: Int[Array, "n"]
+
+
+def bytes_per_run(model, batch: int, seq: int) -> int:
+    """An upper estimate of the working memory of one forward pass on ``[batch, seq]`` tokens.
+
+    One block's activations at a time (blocks are scanned): the residual
+    stream and its normed copies, queries, keys, values, the scores, the MLP's
+    hidden activations, and the logits with their softmax.
+    """
+    c = model.config
+    item = max(np.dtype(x.dtype).itemsize for x in jax.tree.leaves(model) if hasattr(x, "dtype"))
+    per_token = 12 * c.hidden_size + 4 * c.intermediate_size + 3 * c.num_heads * seq + 3 * c.vocab_size
+    return item * batch * seq * per_token
+
+
+def chunk_size_for(model, batch: int, seq: int, entries: int, memory_budget: int) -> int:
+    """The largest chunk of patched runs whose working memory fits ``memory_budget`` (at least 1),
+    balanced so the chunks are of near-equal size."""
+    most = max(1, int(memory_budget // bytes_per_run(model, batch, seq)))
+    chunks = math.ceil(entries / most)
+    return max(1, math.ceil(entries / chunks))
+
+
+def patch_sweep(
+    model, clean: Int[Array, "batch seq"], corrupt: Int[Array, "batch seq"], site: str, metric: Metric, *,
+    layers: Sequence[int] | None = None, positions: Sequence[int] | None = None, heads: Sequence[int] | bool | None = None,
+    attention_mask: Int[Array, "batch seq"] | None = None, memory_budget: int = DEFAULT_BUDGET,
+    chunk_size: int | None = None, progress: bool = True,
+) -> Float[Array, "*grid"]:
+    """``metric`` of the corrupted run with one entry of ``site`` patched from the clean run, for every entry.
+
+    The grid's axes, in order: blocks (``layers``, default every block with
+    the site; absent for a site that is not per block), positions
+    (``positions``, default all; absent for a site without a position axis),
+    heads (``heads``: default all heads where the site has a head axis,
+    ``False`` to patch all heads together), then the metric's own shape.
+    Entry ``[i, j, k]`` equals ``patch(model, clean, corrupt, site,
+    layer=layers[i], positions=positions[j], heads=heads[k], metric=metric)``.
+
+    Chunks of ``chunk_size`` entries (default: as many as fit
+    ``memory_budget`` bytes of working memory, per ``bytes_per_run``; the
+    model, the clean values and the results are outside the budget) run as one
+    jitted ``vmap`` each, with one compile for the whole sweep, under a tqdm
+    progress bar when tqdm is installed and ``progress``.
+    """
+    site, _ = _split(site, None)
+    _check_pair(clean, corrupt)
+    clean, corrupt = jnp.asarray(clean), jnp.asarray(corrupt)
+    if attention_mask is not None:
+        attention_mask = jnp.asarray(attention_mask)
+    spec = SITES[site]
+    clean_values = read(model, clean, (site,), (), attention_mask)[site]
+    pos_axis, head_axis = site_axes(site)
+    per_block = spec.per_block
+    off = 1 if per_block else 0
+
+    axes = []
+    if per_block:
+        axes.append(list(host_blocks(model, site) if layers is None else layers))
+    if pos_axis is not None:
+        axes.append(list(range(clean_values.shape[off + pos_axis]) if positions is None else positions))
+    elif positions is not None:
+        raise SiteError(f"{site} has no position axis; drop positions=")
+    split_heads = head_axis is not None and heads is not False
+    if split_heads:
+        axes.append(list(range(clean_values.shape[off + head_axis]) if heads in (None, True) else heads))
+    elif heads not in (None, False):
+        raise SiteError(f"{site} has no head axis; drop heads=")
+    shape = tuple(len(a) for a in axes)
+    mesh = np.meshgrid(*[np.asarray(a, np.int32) for a in axes], indexing="ij")
+    columns = iter([m.reshape(-1) for m in mesh])
+    n = int(np.prod(shape))
+    zeros = np.zeros(n, np.int32)
+    grid_l = next(columns) if per_block else zeros
+    grid_p = next(columns) if pos_axis is not None else zeros
+    grid_h = next(columns) if split_heads else zeros
+
+    size = chunk_size or chunk_size_for(model, clean.shape[0], clean.shape[1], n, memory_budget)
+    size = min(size, n)
+    chunks = math.ceil(n / size)
+    pad = chunks * size - n
+    padded = [np.concatenate([g, np.repeat(g[-1:], pad)]) for g in (grid_l, grid_p, grid_h)]
+    what = (per_block, pos_axis is not None, split_heads)
+
+    results = []
+    for i in _progress(range(chunks), progress, f"patching {site}"):
+        entries = SweepGrid(*(jnp.asarray(g[i * size:(i + 1) * size]) for g in padded))
+        results.append(jax.block_until_ready(
+            _sweep_chunk(model, corrupt, attention_mask, clean_values, metric, entries, site, what)))
+    out = jnp.concatenate(results)[:n]
+    return out.reshape(shape + out.shape[1:])
+
+
+@eqx.filter_jit
+def _sweep_chunk(model, corrupt, attention_mask, clean_values, metric, entries: SweepGrid, site: str, what):
+    per_block, has_positions, has_heads = what
+
+    def one(layer, position, head):
+        value = block_entry(model, site, clean_values, layer) if per_block else clean_values
+        edit = SetAt(site, value, layer=layer if per_block else None, positions=position if has_positions else None,
+                     heads=head if has_heads else None)
+        return metric(run(model, corrupt, [edit], attention_mask=attention_mask).logits)
+
+    return jax.vmap(one)(entries.layers, entries.positions, entries.heads)
+
+
+def _progress(iterable, enabled: bool, description: str):
+    if not enabled:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, desc=description, unit="chunk", disable=None)
