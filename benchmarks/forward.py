@@ -50,14 +50,15 @@ def compile_seconds(layers: int) -> float:
 def load_memory(folder: Path) -> dict:
     """Peak resident memory added while loading ``folder`` (float32), in a fresh process."""
     code = f"""
-import json, resource, psutil, jax, jax.numpy as jnp, jstd, transformers
+import json, psutil, jax, jax.numpy as jnp, jstd, transformers
 from transformers import AutoConfig
 AutoConfig.from_pretrained({str(folder)!r})
 jnp.ones(3).block_until_ready()
 base = psutil.Process().memory_info().rss
 m = jstd.load({str(folder)!r}, dtype=jnp.float32)
 jax.block_until_ready(m)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM: this process's own peak (ru_maxrss would count the parent's pages at fork)
+peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) * 1024
 print(json.dumps(dict(base=base, peak=peak)))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
