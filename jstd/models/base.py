@@ -101,7 +101,25 @@ class Family(eqx.Module):
 
     @classmethod
     def standard_config(cls, hf) -> ModelConfig:
-        raise NotImplementedError
+        """The standard sizes from a transformers config with the usual attribute names."""
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        return ModelConfig(
+            model_type=hf.model_type,
+            num_layers=hf.num_hidden_layers,
+            hidden_size=hf.hidden_size,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            qk_head_dim=head_dim,
+            vocab_size=hf.vocab_size,
+            intermediate_size=hf.intermediate_size,
+            layer_types=cls.layer_types(hf),
+        )
+
+    @classmethod
+    def layer_types(cls, hf) -> tuple[str, ...]:
+        """Each block's kind; every block is ``full_attention`` unless the family says otherwise."""
+        return ("full_attention",) * hf.num_hidden_layers
 
     @classmethod
     def skeleton(cls, hf, dtype) -> "Family":

@@ -81,22 +81,6 @@ class Llama(Family):
 
     # ---- loading -----------------------------------------------------------
     @classmethod
-    def standard_config(cls, hf) -> ModelConfig:
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        return ModelConfig(
-            model_type=hf.model_type,
-            num_layers=hf.num_hidden_layers,
-            hidden_size=hf.hidden_size,
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=head_dim,
-            qk_head_dim=head_dim,
-            vocab_size=hf.vocab_size,
-            intermediate_size=hf.intermediate_size,
-            layer_types=("full_attention",) * hf.num_hidden_layers,
-        )
-
-    @classmethod
     def attention_scale(cls, hf, config: ModelConfig) -> float:
         return config.head_dim ** -0.5
 

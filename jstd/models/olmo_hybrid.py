@@ -45,7 +45,6 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jstd.config import ModelConfig
 from jstd.io.namemap import Entry, linear, split, split_in, split_out
 from jstd.kernels.attention import positions_and_mask
 from jstd.kernels.rope import Rotary, rotary_from_config
@@ -122,24 +121,12 @@ class OlmoHybrid(Family):
 
     # ---- loading -----------------------------------------------------------
     @classmethod
-    def standard_config(cls, hf) -> ModelConfig:
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    def layer_types(cls, hf) -> tuple[str, ...]:
         kinds = tuple(hf.layer_types)
         unknown = set(kinds) - {LINEAR, FULL}
         if unknown:
             raise ValueError(f"olmo_hybrid layer_types holds {sorted(unknown)}; supported: {LINEAR}, {FULL}")
-        return ModelConfig(
-            model_type=hf.model_type,
-            num_layers=hf.num_hidden_layers,
-            hidden_size=hf.hidden_size,
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=head_dim,
-            qk_head_dim=head_dim,
-            vocab_size=hf.vocab_size,
-            intermediate_size=hf.intermediate_size,
-            layer_types=kinds,
-        )
+        return kinds
 
     @classmethod
     def builds_rotary(cls, hf) -> bool:
