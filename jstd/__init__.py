@@ -5,7 +5,7 @@
 """
 
 from jstd.interventions import (
-    AddAt, LogitAttribution, SetAt, TokenizationError, TopK, attribution_patching, contrastive_vector,
+    LogitAttribution, TokenizationError, TopK, attribution_patching, contrastive_vector,
     direct_logit_attribution, get_first_tokens, kl_divergence, logit_difference, logit_lens, mean_ablation,
     next_token_probs, optimize, patch, patch_sweep, resample_ablation, site_mean, steer, target_probability, top_k,
     zero_ablation,
@@ -36,7 +36,7 @@ __all__ = [
     "Edit", "Set", "Add", "Scale", "Zero", "Apply",
     "SITES", "Site", "SiteError", "CheckpointError", "logical_axes",
     # interventions
-    "SetAt", "AddAt", "zero_ablation", "mean_ablation", "resample_ablation", "site_mean",
+    "zero_ablation", "mean_ablation", "resample_ablation", "site_mean",
     "patch", "patch_sweep", "logit_difference", "target_probability", "kl_divergence",
     "steer", "contrastive_vector", "optimize",
     "logit_lens", "get_first_tokens", "top_k", "TopK", "next_token_probs", "TokenizationError",

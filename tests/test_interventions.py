@@ -9,7 +9,7 @@ import pytest
 
 import jstd
 from jstd.interventions.patching import bytes_per_run, chunk_size_for
-from jstd.interventions.selection import read as jitted_run
+from jstd.interventions.reading import read as jitted_run
 
 ASSET = Path(jstd.__file__).parent / "assets" / "tiny-llama"
 SEQ = 7
@@ -51,23 +51,23 @@ def mask_along(shape, axis, index):
     return m.reshape([-1 if i == axis else 1 for i in range(len(shape))])
 
 
-# ---- selection and ablation ------------------------------------------------------
+# ---- positions, heads and ablation ------------------------------------------------------
 
 
-def test_set_at_equals_set_with_an_explicit_mask(model, pair):
+def test_positions_and_heads_equal_an_explicit_where_mask(model, pair):
     tokens = pair[0]
     site = "layers.self_attn.attention_head_outputs"  # [batch, seq, heads, head_dim]
     value = jnp.full((2, SEQ, 4, 16), 0.5)
     where = jnp.asarray(mask_along((2, SEQ, 4, 16), 1, [1, 5]) & mask_along((2, SEQ, 4, 16), 2, [3]))
     want = read(model, tokens, [jstd.Set(site, value, layer=2, where=where)]).logits
-    got = read(model, tokens, [jstd.SetAt(site, value, layer=2, positions=[1, -2], heads=3)]).logits
+    got = read(model, tokens, [jstd.Set(site, value, layer=2, positions=[1, -2], heads=3)]).logits
     np.testing.assert_array_equal(got, want)
     keys = "layers.self_attn.attention_keys"  # [batch, kv_heads, seq, dim]: heads index kv heads
     where = jnp.asarray(mask_along((2, 2, SEQ, 16), 2, 4) & mask_along((2, 2, SEQ, 16), 1, 1))
     np.testing.assert_array_equal(read(model, tokens, [jstd.zero_ablation(keys, layer=1, positions=4, heads=1)]).logits,
                                   read(model, tokens, [jstd.Zero(keys, layer=1, where=where)]).logits)
     with pytest.raises(jstd.SiteError, match="no head axis"):
-        jstd.SetAt("layers.layer_output", 0.0, heads=1)
+        jstd.Set("layers.layer_output", 0.0, heads=1)
     with pytest.raises(jstd.SiteError, match="no position axis"):
         jstd.zero_ablation("layers.linear_attn.state_input", positions=1)
 
@@ -288,7 +288,7 @@ def test_attribution_patching_is_gradient_times_difference(model, pair):
 
         def patched(t):  # the metric with the entry moved a fraction t of the way to its clean value
             value = corrupt_v + t * (clean_v - corrupt_v)
-            return metric(jstd.run(model, corrupt, [jstd.SetAt(site, value, layer=layer, positions=pos,
+            return metric(jstd.run(model, corrupt, [jstd.Set(site, value, layer=layer, positions=pos,
                                                                 heads=head[0] if head else None)]).logits)
 
         _, slope = jax.jit(lambda t: jax.jvp(patched, (t,), (jnp.ones(()),)))(jnp.zeros(()))

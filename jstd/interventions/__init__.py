@@ -1,7 +1,7 @@
 """Interventions: edits, and the tools built on them.
 
-- ``edits``: Set, Add, Scale, Zero, Apply (the core ops).
-- ``selection``: SetAt, AddAt (edits at chosen positions and heads).
+- ``edits``: Set, Add, Scale, Zero, Apply (the core ops, at chosen blocks, positions, heads).
+- ``reading``: a cached jitted read, one block's entry of a stacked value.
 - ``ablation``: zero, mean and resample ablations.
 - ``patching``: activation patching, one patch or a chunked, vmapped sweep.
 - ``metrics``: logit difference, target probability, KL, as functions of the logits.
@@ -15,11 +15,9 @@ from jstd.interventions.attribution import LogitAttribution, attribution_patchin
 from jstd.interventions.lens import TokenizationError, TopK, get_first_tokens, logit_lens, next_token_probs, top_k
 from jstd.interventions.metrics import kl_divergence, logit_difference, target_probability
 from jstd.interventions.patching import patch, patch_sweep
-from jstd.interventions.selection import AddAt, SetAt
 from jstd.interventions.steering import contrastive_vector, optimize, steer
 
 __all__ = [
-    "SetAt", "AddAt",
     "zero_ablation", "mean_ablation", "resample_ablation", "site_mean",
     "patch", "patch_sweep",
     "logit_difference", "target_probability", "kl_divergence",

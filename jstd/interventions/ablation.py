@@ -1,9 +1,9 @@
 """Ablations: zero, mean and resample, at any editable site, by block, position and head.
 
-Each function returns one edit (a ``SetAt``) to pass to ``jstd.run`` with any
+Each function returns one edit (a ``jstd.Set`` or ``jstd.Zero``) to pass to ``jstd.run`` with any
 others; what it replaces is chosen by ``layer`` (one block, an int or a traced
 int; None: every block that has the site), ``positions`` and ``heads`` (see
-``SetAt``), and an optional boolean ``where``.
+``jstd.Set``), and an optional boolean ``where``.
 
     edit = jstd.mean_ablation(model, "layers.mlp.mlp_output", reference_tokens, layer=2)
     out = jstd.run(model, tokens, [edit])
@@ -21,16 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jstd.interventions.selection import SetAt, block_entry, read, site_axes
+from jstd.interventions.edits import Set, Zero, site_axes
+from jstd.interventions.reading import block_entry, read
 from jstd.sites import SITES, SiteError, parse
 
 
-def zero_ablation(site: str, *, layer=None, positions=None, heads=None, where=None) -> SetAt:
+def zero_ablation(site: str, *, layer=None, positions=None, heads=None, where=None) -> Zero:
     """Replace ``site`` by zeros at ``layer`` (None: every block), ``positions`` and ``heads``.
 
-    The same as ``jstd.Zero`` with the selection built from positions and heads.
+    ``jstd.Zero`` itself, named for the ablation family.
     """
-    return SetAt(site, None, layer=layer, positions=positions, heads=heads, where=where)
+    return Zero(site, layer=layer, positions=positions, heads=heads, where=where)
 
 
 def token_weights(tokens: Int[Array, "batch seq"], attention_mask=None, exclude_first: bool = True) -> Float[Array, "batch seq"]:
@@ -103,7 +104,7 @@ def mean_ablation(
     model, site: str, reference: Int[Array, "batch seq"], *, layer=None, positions=None, heads=None,
     per_position: bool = False, exclude_first: bool = True, attention_mask: Int[Array, "batch seq"] | None = None,
     where=None,
-) -> SetAt:
+) -> Set:
     """Replace ``site`` by its mean over a reference batch (``site_mean``), at ``layer``, ``positions``, ``heads``.
 
     The mean is over the reference rows and, unless ``per_position``, over their
@@ -113,13 +114,13 @@ def mean_ablation(
     """
     value = site_mean(model, site, reference, layer=layer, per_position=per_position, exclude_first=exclude_first,
                       attention_mask=attention_mask)
-    return SetAt(site, value, layer=layer, positions=positions, heads=heads, where=where)
+    return Set(site, value, layer=layer, positions=positions, heads=heads, where=where)
 
 
 def resample_ablation(
     model, site: str, source: Int[Array, "batch seq"], *, layer=None, positions=None, heads=None,
     key: jax.Array | None = None, attention_mask: Int[Array, "batch seq"] | None = None, where=None,
-) -> SetAt:
+) -> Set:
     """Replace ``site`` by its value on other inputs (``source``), at ``layer``, ``positions``, ``heads``.
 
     Row i of the run gets row i of ``source``'s value (a single source row
@@ -138,4 +139,4 @@ def resample_ablation(
         value = jnp.take(value, jax.random.permutation(key, value.shape[axis]), axis=axis)
     if stacked and layer is not None:
         value = block_entry(model, site, value, layer)
-    return SetAt(site, value, layer=layer, positions=positions, heads=heads, where=where)
+    return Set(site, value, layer=layer, positions=positions, heads=heads, where=where)

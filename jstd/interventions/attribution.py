@@ -23,7 +23,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.interventions.edits import Add
-from jstd.interventions.selection import read, site_axes
+from jstd.interventions.edits import site_axes
+from jstd.interventions.reading import read
 from jstd.run import run
 from jstd.sites import SITES, SiteError, parse
 

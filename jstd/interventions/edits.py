@@ -2,9 +2,12 @@
 
 An edit names a site (static), holds its arrays as dynamic leaves, and may
 pick a block (``layer``: an int or a traced int array, so a sweep over blocks is
-one ``vmap``) and a boolean ``where`` mask that broadcasts against the site's
-value. At the site, the value becomes ``where(mask, op(value), value)`` and
-everything downstream computes from it. Edits compose in list order.
+one ``vmap``), ``positions`` (the site's ``seq`` axis, ``query`` on attention
+patterns) and ``heads`` (its ``heads`` or ``kv_heads`` axis) — each an int, a
+list or int array (traced is fine; negatives count from the end) or a boolean
+mask — and a boolean ``where`` mask that broadcasts against the site's value.
+At the site, the value becomes ``where(mask, op(value), value)`` and everything
+downstream computes from it. Edits compose in list order.
 
 A value array broadcasts against the site's per-block value; for a block site
 edited on every block (``layer=None``) it may instead be stacked over the
@@ -13,7 +16,7 @@ blocks, block axis first, so one edit can set a whole stored run.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import equinox as eqx
 import jax
@@ -22,6 +25,45 @@ from jaxtyping import Array, ArrayLike, Bool, Int
 
 from jstd.sites import SITES, SiteError, parse
 
+POSITION_AXES = ("seq", "query")
+HEAD_AXES = ("heads", "kv_heads")
+
+
+def site_axes(site: str) -> tuple[int | None, int | None]:
+    """The (position axis, head axis) of ``site``'s per-block value, None where it has none."""
+    layout = SITES[parse(site)[0]].layout
+    pos = next((i for i, a in enumerate(layout) if a in POSITION_AXES), None)
+    head = next((i for i, a in enumerate(layout) if a in HEAD_AXES), None)
+    return pos, head
+
+
+def _axis_mask(index, size: int) -> Bool[Array, "size"]:
+    """A boolean [size] mask from an int, int array (traced allowed, negatives count from the end) or bool [size]."""
+    index = jnp.asarray(index)
+    if index.dtype == bool:
+        if index.shape != (size,):
+            raise SiteError(f"a boolean selection must have shape ({size},), got {index.shape}")
+        return index
+    if not jnp.issubdtype(index.dtype, jnp.integer):
+        raise SiteError(f"positions and heads are integers or a boolean mask, got dtype {index.dtype}")
+    index = jnp.where(index < 0, index + size, index).reshape(-1)
+    return (jnp.arange(size)[:, None] == index[None, :]).any(-1)
+
+
+def selection_mask(site: str, shape: Sequence[int], positions=None, heads=None) -> Bool[Array, "..."] | None:
+    """A mask broadcasting against a value of ``shape`` at ``site``, True at the chosen positions and heads.
+
+    None when neither is chosen.
+    """
+    pos_axis, head_axis = site_axes(site)
+    mask = None
+    for index, axis in ((positions, pos_axis), (heads, head_axis)):
+        if index is None:
+            continue
+        m = _axis_mask(index, shape[axis]).reshape([-1 if i == axis else 1 for i in range(len(shape))])
+        mask = m if mask is None else mask & m
+    return mask
+
 
 class Edit(eqx.Module):
     """Base class of every edit. Subclasses define ``op(value) -> new value``."""
@@ -29,8 +71,10 @@ class Edit(eqx.Module):
     site: str = eqx.field(static=True)
     layer: Int[ArrayLike, ""] | None
     where: Bool[ArrayLike, "..."] | None
+    positions: Int[ArrayLike, "..."] | Bool[ArrayLike, "seq"] | None
+    heads: Int[ArrayLike, "..."] | Bool[ArrayLike, "heads"] | None
 
-    def _init_site(self, site: str, layer, where):
+    def _init_site(self, site: str, layer, where, positions=None, heads=None):
         base, index = parse(site)
         if not SITES[base].editable:
             raise SiteError(
@@ -43,9 +87,18 @@ class Edit(eqx.Module):
             )
         if index is None and layer is not None and not SITES[base].per_block:
             raise SiteError(f"{type(self).__name__}: {base!r} is not a block site; drop layer={layer!r}")
+        pos_axis, head_axis = site_axes(base)
+        for chosen, axis, what in ((positions, pos_axis, "position"), (heads, head_axis, "head")):
+            if chosen is not None and axis is None:
+                raise SiteError(
+                    f"{type(self).__name__}: {base} has no {what} axis (layout [{', '.join(SITES[base].layout)}]); "
+                    f"drop {what}s="
+                )
         self.site = base
         self.layer = index if index is not None else layer
         self.where = where
+        self.positions = None if positions is None else jnp.asarray(positions)
+        self.heads = None if heads is None else jnp.asarray(heads)
 
     def op(self, value: Array) -> Array:
         raise NotImplementedError
@@ -55,12 +108,13 @@ class Edit(eqx.Module):
         return tuple(f for f in ("value", "factor", "where") if getattr(self, f, None) is not None)
 
     def __call__(self, value: Array) -> Array:
-        """The edited value, with ``where`` applied."""
-        new = self.op(value)
-        new = jnp.broadcast_to(jnp.asarray(new, value.dtype), value.shape)
-        if self.where is None:
-            return new
-        return jnp.where(jnp.asarray(self.where, bool), new, value)
+        """The edited value, kept only where ``where``, ``positions`` and ``heads`` select."""
+        new = jnp.broadcast_to(jnp.asarray(self.op(value), value.dtype), value.shape)
+        mask = selection_mask(self.site, value.shape, self.positions, self.heads)
+        if self.where is not None:
+            where = jnp.asarray(self.where, bool)
+            mask = where if mask is None else mask & where
+        return new if mask is None else jnp.where(mask, new, value)
 
 
 class Set(Edit):
@@ -68,8 +122,8 @@ class Set(Edit):
 
     value: ArrayLike
 
-    def __init__(self, site: str, value: ArrayLike, *, layer=None, where=None):
-        self._init_site(site, layer, where)
+    def __init__(self, site: str, value: ArrayLike, *, layer=None, positions=None, heads=None, where=None):
+        self._init_site(site, layer, where, positions, heads)
         self.value = value
 
     def op(self, value):
@@ -81,8 +135,8 @@ class Add(Edit):
 
     value: ArrayLike
 
-    def __init__(self, site: str, value: ArrayLike, *, layer=None, where=None):
-        self._init_site(site, layer, where)
+    def __init__(self, site: str, value: ArrayLike, *, layer=None, positions=None, heads=None, where=None):
+        self._init_site(site, layer, where, positions, heads)
         self.value = value
 
     def op(self, value):
@@ -94,8 +148,8 @@ class Scale(Edit):
 
     factor: ArrayLike
 
-    def __init__(self, site: str, factor: ArrayLike, *, layer=None, where=None):
-        self._init_site(site, layer, where)
+    def __init__(self, site: str, factor: ArrayLike, *, layer=None, positions=None, heads=None, where=None):
+        self._init_site(site, layer, where, positions, heads)
         self.factor = factor
 
     def op(self, value):
@@ -105,8 +159,8 @@ class Scale(Edit):
 class Zero(Edit):
     """Replace the site's value by zeros (zero ablation)."""
 
-    def __init__(self, site: str, *, layer=None, where=None):
-        self._init_site(site, layer, where)
+    def __init__(self, site: str, *, layer=None, positions=None, heads=None, where=None):
+        self._init_site(site, layer, where, positions, heads)
 
     def op(self, value):
         return jnp.zeros_like(value)
@@ -121,8 +175,8 @@ class Apply(Edit):
 
     fn: Any
 
-    def __init__(self, site: str, fn: Callable[[Array], Array], *, layer=None, where=None):
-        self._init_site(site, layer, where)
+    def __init__(self, site: str, fn: Callable[[Array], Array], *, layer=None, positions=None, heads=None, where=None):
+        self._init_site(site, layer, where, positions, heads)
         if not callable(fn):
             raise TypeError(f"Apply: fn must be callable, got {type(fn).__name__}")
         self.fn = fn if isinstance(fn, eqx.Module) else jax.tree_util.Partial(fn)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jstd.interventions.selection import read
+from jstd.interventions.reading import read
 from jstd.run import project_on_vocab
 from jstd.sites import SITES, SiteError, parse
 

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jstd.interventions.selection import SetAt, block_entry, host_blocks, read, site_axes
+from jstd.interventions.edits import Set, site_axes
+from jstd.interventions.reading import block_entry, read
 from jstd.run import run
 from jstd.sites import SITES, SiteError, parse
 
@@ -51,7 +52,7 @@ def patch(
     """Run ``corrupt`` with ``site`` replaced by its value on ``clean`` at ``layer``, ``positions``, ``heads``.
 
     ``layer`` None patches every block that has the site (or name one block as
-    ``"layers.5.X"``); ``positions`` / ``heads`` select as ``SetAt`` does (None:
+    ``"layers.5.X"``); ``positions`` / ``heads`` select as on ``jstd.Set`` (None:
     all). ``clean`` and ``corrupt`` have the same shape (and share
     ``attention_mask``). Returns ``metric(logits)`` when a metric is given, the
     patched run's ``Outputs`` otherwise.
@@ -61,7 +62,7 @@ def patch(
     value = read(model, clean, (site,), (), attention_mask)[site]
     if SITES[site].per_block and layer is not None:
         value = block_entry(model, site, value, layer)
-    edit = SetAt(site, value, layer=layer, positions=positions, heads=heads)
+    edit = Set(site, value, layer=layer, positions=positions, heads=heads)
     out = read(model, corrupt, (), (edit,), attention_mask)
     return out if metric is None else metric(out.logits)
 
@@ -136,7 +137,7 @@ def patch_sweep(
 
     axes = []
     if per_block:
-        axes.append(list(host_blocks(model, site) if layers is None else layers))
+        axes.append(list(model.blocks_for(parse(site)[0]) if layers is None else layers))
     if pos_axis is not None:
         axes.append(list(range(clean_values.shape[off + pos_axis]) if positions is None else positions))
     elif positions is not None:
@@ -177,7 +178,7 @@ def _sweep_chunk(model, corrupt, attention_mask, clean_values, metric, entries: 
 
     def one(layer, position, head):
         value = block_entry(model, site, clean_values, layer) if per_block else clean_values
-        edit = SetAt(site, value, layer=layer if per_block else None, positions=position if has_positions else None,
+        edit = Set(site, value, layer=layer if per_block else None, positions=position if has_positions else None,
                      heads=head if has_heads else None)
         return metric(run(model, corrupt, [edit], attention_mask=attention_mask).logits)
 

@@ -19,26 +19,23 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PyTree
 
 from jstd.interventions.ablation import site_mean
-from jstd.interventions.edits import Add
-from jstd.interventions.selection import AddAt, site_axes
+from jstd.interventions.edits import Add, site_axes
 from jstd.sites import SITES, parse
 
 
 def steer(
     layers: int | Sequence[int], vector: Float[ArrayLike, "*shape"], *, factor: float = 1.0, positions=None,
     site: str = "layers.layer_output", where=None,
-) -> list[Add | AddAt]:
+) -> list[Add]:
     """Edits adding ``factor * vector`` to ``site`` at each block in ``layers`` (at ``positions``; None: all).
 
     ``vector`` broadcasts against the site's per-block value (``[hidden]`` for a
     residual site). The result is exactly ``Add(site, factor * vector,
-    layer=l)`` per block (``AddAt`` when ``positions`` are chosen).
+    layer=l)`` per block (at ``positions`` when chosen).
     """
     layers = list(layers) if isinstance(layers, (list, tuple, range)) or jnp.ndim(layers) == 1 else [layers]
     value = factor * jnp.asarray(vector)
-    if positions is None:
-        return [Add(site, value, layer=l, where=where) for l in layers]
-    return [AddAt(site, value, layer=l, positions=positions, where=where) for l in layers]
+    return [Add(site, value, layer=l, positions=positions, where=where) for l in layers]
 
 
 def contrastive_vector(
