@@ -44,7 +44,10 @@ def describe(model) -> str:
         for s in sites:
             shape = ", ".join(f"{a}" + (f"={sizes[a]}" if a in sizes else "") for a in s.layout)
             ro = "" if s.editable else "  (read-only)"
-            lines.append(f"    {s.name.rsplit('.', 1)[-1]:<26} [{shape}]{ro}")
+            only = ""
+            if s.per_block and model.blocks_for(s.name) != model.blocks_for(sites[0].name):
+                only = f"  (blocks {', '.join(map(str, model.blocks_for(s.name)))} only)"
+            lines.append(f"    {s.name.rsplit('.', 1)[-1]:<26} [{shape}]{ro}{only}")
             lines.append(f"      {s.meaning}")
     return "\n".join(lines)
 

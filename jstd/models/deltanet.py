@@ -55,6 +55,12 @@ def causal_conv(x: Float[Array, "batch seq heads dim"], w: Float[Array, "width h
     return out.astype(x.dtype)
 
 
+class HeadRMSNorm(RMSNorm):
+    """An RMSNorm over each head's values (its weight's axis is ``value_dim``, not ``embed``)."""
+
+    weight: Float[Array, "value_dim"] = param("value_dim")
+
+
 class GatedDeltaNet(eqx.Module):
     """The gated DeltaNet mixer; called as ``mixer(x, cos_sin, mask, s)`` like softmax attention.
 
@@ -74,7 +80,7 @@ class GatedDeltaNet(eqx.Module):
     A_log: Float[Array, "heads"] = param("linear_heads")
     dt_bias: Float[Array, "heads"] = param("linear_heads")
     gate: Float[Array, "embed heads value_dim"] = param("embed", "linear_heads", "value_dim")
-    o_norm: RMSNorm
+    o_norm: "HeadRMSNorm"
     o: Float[Array, "heads value_dim embed"] = param("linear_heads", "value_dim", "embed")
     act: str = eqx.field(static=True)
     allow_neg_eigval: bool = eqx.field(static=True)
@@ -124,7 +130,7 @@ class GatedDeltaNet(eqx.Module):
             shape(embed, heads, dtype=dtype), shape(embed, heads, dtype=dtype),
             shape(heads, dtype=dtype), shape(heads, dtype=dtype),
             shape(embed, heads, value_dim, dtype=dtype),
-            RMSNorm.skeleton(value_dim, norm_eps, dtype),
+            HeadRMSNorm.skeleton(value_dim, norm_eps, dtype),
             shape(heads, value_dim, embed, dtype=dtype),
             act, bool(allow_neg_eigval),
         )
