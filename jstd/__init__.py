@@ -10,6 +10,7 @@ from jstd.interventions import (
     next_token_probs, optimize, patch, patch_sweep, resample_ablation, site_mean, steer, target_probability, top_k,
     zero_ablation,
 )
+from jstd.interventions.plots import logit_lens_table, plot_attention, plot_logit_lens, plot_patching
 from jstd.interventions.edits import Add, Apply, Edit, Scale, Set, Zero
 from jstd.io.load import load
 from jstd.io.safetensors import CheckpointError
@@ -41,4 +42,5 @@ __all__ = [
     "steer", "contrastive_vector", "optimize",
     "logit_lens", "get_first_tokens", "top_k", "TopK", "next_token_probs", "TokenizationError",
     "direct_logit_attribution", "LogitAttribution", "attribution_patching",
+    "plot_attention", "plot_patching", "plot_logit_lens", "logit_lens_table",
 ]
