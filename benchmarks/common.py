@@ -29,3 +29,17 @@ def checkpoint(config, folder, seed=0):
     if not (Path(folder) / "config.json").exists():
         make_checkpoint(config, folder, seed=seed)
     return Path(folder)
+
+
+def compile_seconds(family, hf_config, batch: int, seq: int) -> float:
+    """Trace + compile time of jit(run) on ``family``'s skeleton for ``hf_config`` (shapes only, no weights)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jstd
+
+    skeleton = family.skeleton(hf_config, jnp.float32)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    t = time.perf_counter()
+    jax.jit(jstd.run).lower(skeleton, tokens).compile()
+    return time.perf_counter() - t

@@ -16,10 +16,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from common import ROOT, checkpoint, timeit
+import common
+from common import checkpoint, timeit
 
 SIZE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4, vocab_size=8192,
             max_position_embeddings=1024, rms_norm_eps=1e-5)
@@ -33,18 +33,9 @@ def llama_config(layers):
 
 
 def compile_seconds(layers: int) -> float:
-    """Trace + compile time of jit(run) on a model of ``layers`` blocks (shapes only, no weights)."""
-    import jax
-    import jax.numpy as jnp
-
-    import jstd
     from jstd.models.llama import Llama
 
-    skeleton = Llama.skeleton(llama_config(layers), jnp.float32)
-    tokens = jax.ShapeDtypeStruct((4, 256), jnp.int32)
-    t = time.perf_counter()
-    jax.jit(jstd.run).lower(skeleton, tokens).compile()
-    return time.perf_counter() - t
+    return common.compile_seconds(Llama, llama_config(layers), 4, 256)
 
 
 def load_memory(folder: Path) -> dict:

@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 from common import checkpoint
 
 SIZE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=8, vocab_size=8192,
@@ -36,18 +37,9 @@ def olmo_config(layers):
 
 
 def compile_seconds(layers: int) -> float:
-    """Trace + compile time of jit(run) on a model of ``layers`` blocks (shapes only, no weights)."""
-    import jax
-    import jax.numpy as jnp
-
-    import jstd
     from jstd.models.olmo_hybrid import OlmoHybrid
 
-    skeleton = OlmoHybrid.skeleton(olmo_config(layers), jnp.float32)
-    tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
-    t = time.perf_counter()
-    jax.jit(jstd.run).lower(skeleton, tokens).compile()
-    return time.perf_counter() - t
+    return common.compile_seconds(OlmoHybrid, olmo_config(layers), BATCH, SEQ)
 
 
 def interleaved(runs: dict, repeats: int) -> dict:

@@ -142,7 +142,7 @@ def demo(path=INDUCTION, prompt=None, figures="jstd-demo-figures", period: int =
                                     "layers.mlp.mlp_output", "layers.layer_output"))
     print(f"  block identity layer_input + attention_output + mlp_output == layer_output: "
           f"max |diff| {float(jnp.abs(x + a + m - y).max()):.2e}")
-    print(f"  top next tokens after it: "
+    print("  top next tokens after it: "
           + ", ".join(f"{t!r} {float(v):.2f}" for t, v in zip(*(lambda k: (k.tokens[0], k.values[0]))(
               jstd.top_k(jax.nn.softmax(out.logits[:, -1]), 3, tok)))))
 

@@ -31,6 +31,13 @@ def assert_close(actual, expected, rtol=1e-5, name=""):
     )
 
 
+def relative_rms(actual, expected) -> float:
+    """RMS of the difference over the RMS of the reference (for loose bf16 comparisons)."""
+    a = np.asarray(actual, np.float32)
+    b = np.asarray(expected, np.float32)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2)))
+
+
 @pytest.fixture(scope="session")
 def rng():
     return np.random.default_rng(0)

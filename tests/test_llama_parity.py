@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import jstd
-from conftest import assert_close
+from conftest import assert_close, relative_rms
 from llama_cases import CASES, config
 from reference.checkpoints import make_checkpoint
 from reference.harness import TorchEdit, TorchReference
@@ -79,9 +79,7 @@ def test_bfloat16(bf16_case):
     out = jstd.run(model, tokens, reads=reads)
     want = ref.run(tokens, reads=reads + ("logits",))
     for site in reads + ("logits",):
-        a = np.asarray(out[site], np.float32)
-        b = want[site]
-        rel = np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2))
+        rel = relative_rms(out[site], want[site])
         assert rel < 3e-2, f"{name}:{site} bf16 relative RMS error {rel:.3g}"
     assert out.logits.dtype == jnp.bfloat16
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import jstd
-from conftest import assert_close
+from conftest import assert_close, relative_rms
 from olmo_hybrid_cases import CASES, FULL, LINEAR, PLAN, config, make_checkpoint
 from reference.harness import TorchEdit, TorchReference
 
@@ -318,7 +318,7 @@ def test_bfloat16(checkpoints):
     out = jstd.run(model, tokens, reads=reads)
     want = ref.run(tokens, reads=reads + ("logits",))
     exact = ref32.run(tokens, reads=reads + ("logits",))
-    rel = lambda a, b: np.sqrt(np.mean((np.asarray(a, np.float32) - b) ** 2)) / np.sqrt(np.mean(b**2))
+    rel = relative_rms
     for site in reads + ("logits",):
         ours, theirs = rel(out[site], exact[site]), rel(want[site], exact[site])
         assert ours < 1.5 * theirs + 5e-3, f"{name}:{site} bf16 error {ours:.3g}, transformers' {theirs:.3g}"
