@@ -15,6 +15,7 @@ from jstd.interventions.edits import Add, Apply, Edit, Scale, Set, Zero
 from jstd.io.load import load
 from jstd.io.safetensors import CheckpointError
 from jstd.models.base import logical_axes
+from jstd.context import Context
 from jstd.run import Outputs, project_on_vocab, run
 from jstd.sites import SITES, Site, SiteError
 
@@ -33,7 +34,7 @@ def load_processor(path_or_repo_id):
 
 
 __all__ = [
-    "load", "load_processor", "run", "Outputs", "project_on_vocab",
+    "load", "load_processor", "run", "Outputs", "project_on_vocab", "Context",
     "Edit", "Set", "Add", "Scale", "Zero", "Apply",
     "SITES", "Site", "SiteError", "CheckpointError", "logical_axes",
     # interventions

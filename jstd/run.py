@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jstd.context import Context
 from jstd.interventions.edits import as_edits
 from jstd.models.base import Family
 from jstd.sites import SITES, SiteError, near, parse
@@ -92,6 +93,7 @@ def run(
     reads: Sequence[str] = (),
     attention_mask: Int[Array, "batch seq"] | None = None,
     images=None,
+    context: Context | None = None,
 ) -> Outputs:
     """Run ``model`` on ``tokens`` with ``edits`` applied; return logits and the sites in ``reads``.
 
@@ -101,8 +103,13 @@ def run(
     from the edited value. Left-padded rows with ``attention_mask`` (zeros are
     padding) give, at their real positions, the values of the unpadded prompt.
 
+    ``context`` (``jstd.Context``): the tokens continue earlier positions (a
+    cache of their keys, values and states) and may start at a later block
+    from a given stream; ``positions`` then index the tokens' own seq axis.
+
     Raises SiteError for unknown, unavailable or read-only sites and edits that
-    do not fit their site, ValueError for token ids outside the vocabulary.
+    do not fit their site, ValueError for token ids outside the vocabulary or
+    a context that does not fit the model and tokens.
     """
     if not isinstance(model, Family):
         raise TypeError(f"run takes a model from jstd.load, got {type(model).__name__}")
@@ -125,11 +132,14 @@ def run(
         if attention_mask.shape != tokens.shape:
             raise ValueError(f"attention_mask has shape {attention_mask.shape}; it must match tokens' {tokens.shape}")
     tokens = check_tokens(tokens, model.config.vocab_size)
+    if context is not None:
+        check_context(model, context, tokens.shape, attention_mask, reads)
 
     bases = frozenset(parse(r)[0] for r in reads) | ({"logits"} if "next_token_probs" in reads else frozenset())
     num_blocks = {s.name: len(model.blocks_for(s.name)) for s in SITES.values() if s.per_block}
     tap = Tap(bases - {"next_token_probs"}, edits, model.config.num_layers, num_blocks)
-    logits, recorded = model.forward(tokens, tap, attention_mask)
+    logits, recorded = model.forward(tokens, tap, attention_mask) if context is None else \
+        model.forward(tokens, tap, attention_mask, context)
     left = tap.unapplied()
     if left:
         raise SiteError(f"edit at {left[0].site!r} was not applied: the {model.family} forward does not compute it on this call")
@@ -144,6 +154,50 @@ def run(
         else:
             values[name] = recorded[base][model.blocks_for(base).index(index % model.config.num_layers)]
     return Outputs(logits, values)
+
+
+def check_context(model: Family, context: Context, shape: tuple[int, int], attention_mask, reads) -> None:
+    """Raise ValueError where ``context`` does not fit ``model`` and tokens of ``shape`` (static checks)."""
+    if not isinstance(context, Context):
+        raise TypeError(f"context must be a jstd.Context, got {type(context).__name__}")
+    if attention_mask is not None:
+        raise ValueError("a run with a context takes no attention_mask: give each token's position in context.positions")
+    batch, seq = shape
+    c = model.config
+    if np.shape(context.positions) != shape:
+        raise ValueError(f"context.positions has shape {np.shape(context.positions)}; it must match tokens' {shape}")
+    expected = {}
+    attention, linear = model.layers_with("self_attn"), model.layers_with("linear_attn")
+    if context.keys is not None or context.values is not None:
+        cached = np.shape(context.keys)[3] if np.ndim(context.keys) == 5 else "cached"
+        kv = (len(attention), batch, c.num_kv_heads, cached, c.head_dim)
+        expected.update(keys=kv, values=kv)
+    if context.states is not None or context.conv_inputs is not None:
+        states = np.shape(context.states)
+        width = np.shape(context.conv_inputs)[2] if np.ndim(context.conv_inputs) == 4 else "conv_width - 1"
+        expected.update(states=(len(linear), batch) + tuple(states[2:]) if len(states) == 5 else "5 axes",
+                        conv_inputs=(len(linear), batch, width, c.hidden_size))
+    for name, want in expected.items():
+        got = np.shape(getattr(context, name)) if getattr(context, name) is not None else None
+        if got != want:
+            raise ValueError(f"context.{name} has shape {got}; this model and batch need {want} "
+                             f"([blocks with the host, batch, ...]; see jstd.Context)")
+    if attention and linear and (context.keys is None) != (context.states is None):
+        raise ValueError("this hybrid model needs both the attention cache (keys, values) and the DeltaNet "
+                         "cache (states, conv_inputs) in its context, or neither")
+    if context.stream is not None:
+        if np.shape(context.stream) != (batch, seq, c.hidden_size):
+            raise ValueError(f"context.stream has shape {np.shape(context.stream)}; it must be "
+                             f"{(batch, seq, c.hidden_size)} (the start block's layer_input at the tokens)")
+        if context.block is None:
+            raise ValueError("context.stream needs context.block: the block whose layer_input it is")
+        if "token_embeddings" in reads:
+            raise SiteError("token_embeddings is not computed on a run that starts from context.stream")
+    elif context.block is not None:
+        raise ValueError("context.block needs context.stream: the layer_input of that block at the tokens")
+    if context.block is not None and not isinstance(context.block, jax.core.Tracer):
+        if np.ndim(context.block) != 0 or not 0 <= int(context.block) <= c.num_layers:
+            raise ValueError(f"context.block must be one block index in [0, {c.num_layers}], got {context.block!r}")
 
 
 def _check_layer(model: Family, edit) -> None:

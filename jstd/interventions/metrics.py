@@ -14,10 +14,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int
 
 
-def _at(logits: Float[Array, "batch seq vocab"], position: int) -> Float[Array, "batch vocab"]:
-    return logits[:, position].astype(jnp.float32)
-
-
 def _pick(x: Float[Array, "batch vocab"], ids) -> Float[Array, "batch"]:
     ids = jnp.asarray(ids)
     if ids.ndim == 0:
@@ -27,29 +23,43 @@ def _pick(x: Float[Array, "batch vocab"], ids) -> Float[Array, "batch"]:
     raise ValueError(f"target ids are an int or one per row [batch], got shape {ids.shape}")
 
 
-class LogitDifference(eqx.Module):
+class PositionMetric(eqx.Module):
+    """A metric of the logits at one ``position`` only: ``metric(logits) == metric.at(logits[:, position])``.
+
+    Sweeps use the contract: they compute the logits at that position alone.
+    """
+
+    position: int = eqx.field(static=True, kw_only=True, default=-1)
+
+    def __call__(self, logits: Float[Array, "batch seq vocab"]) -> Float[Array, ""]:
+        return self.at(logits[:, self.position])
+
+    def at(self, logits: Float[Array, "batch vocab"]) -> Float[Array, ""]:
+        """The metric from the logits at ``position``."""
+        raise NotImplementedError
+
+
+class LogitDifference(PositionMetric):
     """``logits[:, position, target] - logits[:, position, other]``, averaged over rows."""
 
     target: Int[ArrayLike, "*batch"]
     other: Int[ArrayLike, "*batch"]
-    position: int = eqx.field(static=True, default=-1)
 
-    def __call__(self, logits: Float[Array, "batch seq vocab"]) -> Float[Array, ""]:
-        x = _at(logits, self.position)
+    def at(self, logits: Float[Array, "batch vocab"]) -> Float[Array, ""]:
+        x = logits.astype(jnp.float32)
         return jnp.mean(_pick(x, self.target) - _pick(x, self.other))
 
 
-class TargetProbability(eqx.Module):
+class TargetProbability(PositionMetric):
     """The probability of ``target`` at ``position`` (softmax in float32), averaged over rows."""
 
     target: Int[ArrayLike, "*batch"]
-    position: int = eqx.field(static=True, default=-1)
 
-    def __call__(self, logits: Float[Array, "batch seq vocab"]) -> Float[Array, ""]:
-        return jnp.mean(_pick(jax.nn.softmax(_at(logits, self.position), -1), self.target))
+    def at(self, logits: Float[Array, "batch vocab"]) -> Float[Array, ""]:
+        return jnp.mean(_pick(jax.nn.softmax(logits.astype(jnp.float32), -1), self.target))
 
 
-class KLDivergence(eqx.Module):
+class KLDivergence(PositionMetric):
     """KL(reference || run) of the next-token distributions at ``position``, averaged over rows.
 
     ``reference`` holds the reference run's logits, ``[batch, vocab]`` at that
@@ -57,27 +67,26 @@ class KLDivergence(eqx.Module):
     """
 
     reference: Float[Array, "batch vocab"]
-    position: int = eqx.field(static=True, default=-1)
 
     def __init__(self, reference: Float[ArrayLike, "batch ..."], position: int = -1):
         reference = jnp.asarray(reference, jnp.float32)
         self.reference = reference[:, position] if reference.ndim == 3 else reference
         self.position = position
 
-    def __call__(self, logits: Float[Array, "batch seq vocab"]) -> Float[Array, ""]:
+    def at(self, logits: Float[Array, "batch vocab"]) -> Float[Array, ""]:
         log_p = jax.nn.log_softmax(self.reference, -1)
-        log_q = jax.nn.log_softmax(_at(logits, self.position), -1)
+        log_q = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
         return jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1))
 
 
 def logit_difference(target, other, *, position: int = -1) -> LogitDifference:
     """The metric ``logit[target] - logit[other]`` at ``position`` (ids: an int or one per row), mean over rows."""
-    return LogitDifference(jnp.asarray(target), jnp.asarray(other), position)
+    return LogitDifference(jnp.asarray(target), jnp.asarray(other), position=position)
 
 
 def target_probability(target, *, position: int = -1) -> TargetProbability:
     """The metric ``p(target)`` at ``position`` (ids: an int or one per row), mean over rows."""
-    return TargetProbability(jnp.asarray(target), position)
+    return TargetProbability(jnp.asarray(target), position=position)
 
 
 def kl_divergence(reference_logits, *, position: int = -1) -> KLDivergence:

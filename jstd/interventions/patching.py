@@ -29,6 +29,7 @@ from jaxtyping import Array, Float, Int
 
 from jstd.interventions.edits import Set, site_axes
 from jstd.interventions.reading import block_entry, read
+from jstd.interventions.resume import resumable, resumed_sweep
 from jstd.run import run
 from jstd.sites import SITES, SiteError, parse
 
@@ -155,6 +156,12 @@ def patch_sweep(
     grid_l = next(columns) if per_block else zeros
     grid_p = next(columns) if pos_axis is not None else zeros
     grid_h = next(columns) if split_heads else zeros
+
+    if resumable(model, site, attention_mask):
+        out = resumed_sweep(model, clean_values, corrupt, site, metric, axes[0], axes[1],
+                            axes[2] if split_heads else [0], split_heads, memory_budget, chunk_size,
+                            lambda blocks: _progress(blocks, progress, f"patching {site}"))
+        return jnp.asarray(out.reshape(shape + out.shape[2:]))
 
     size = chunk_size or chunk_size_for(model, clean.shape[0], clean.shape[1], n, memory_budget)
     size = min(size, n)

@@ -67,10 +67,18 @@ class Family(eqx.Module):
     model_types: ClassVar[tuple[str, ...]]
     sites: ClassVar[frozenset[str]]
 
-    def forward(self, tokens: Int[Array, "batch seq"], tap, attention_mask) -> Float[Array, "batch seq vocab"]:
+    def forward(self, tokens: Int[Array, "batch seq"], tap, attention_mask, context=None):
+        """``(logits, reads)``: logits ``[batch, seq, vocab]`` and the recorded base sites.
+
+        ``context``: a ``jstd.Context`` the tokens continue (None: they start at position 0)."""
         raise NotImplementedError
 
     def project_on_vocab(self, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
+        """Final norm, head and whatever follows the head: the logit lens (exact at the last block)."""
+        return self.logits_from_norm(self.final_norm(hidden))
+
+    def logits_from_norm(self, normed: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
+        """The logits from ``final_norm_output``: the head and whatever the family does after it."""
         raise NotImplementedError
 
     def layers_with(self, host: str) -> tuple[int, ...]:

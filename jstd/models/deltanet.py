@@ -41,13 +41,19 @@ from jstd.models.layers import GatedMLP, PreNormBlock, RMSNorm, activation
 SITE = "layers.linear_attn."
 
 
-def causal_conv(x: Float[Array, "batch seq heads dim"], w: Float[Array, "width heads dim"]) -> Float[Array, "batch seq heads dim"]:
-    """Depthwise causal convolution along seq: ``out[t] = sum_j w[j] x[t - width + 1 + j]``, zeros before 0.
+def causal_conv(x: Float[Array, "batch seq heads dim"], w: Float[Array, "width heads dim"],
+                before: Float[Array, "batch width_1 heads dim"] | None = None) -> Float[Array, "batch seq heads dim"]:
+    """Depthwise causal convolution along seq: ``out[t] = sum_j w[j] x[t - width + 1 + j]``.
 
-    Accumulated in float32 (as torch's conv1d), cast back to ``x``'s dtype.
+    ``before`` holds the ``width - 1`` inputs before ``x[0]`` (None: zeros, a
+    sequence starting at position 0). Accumulated in float32 (as torch's
+    conv1d), cast back to ``x``'s dtype.
     """
     width, seq = w.shape[0], x.shape[1]
-    padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (width - 1, 0), (0, 0), (0, 0)))
+    if before is None:
+        padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (width - 1, 0), (0, 0), (0, 0)))
+    else:
+        padded = jnp.concatenate([before, x], axis=1).astype(jnp.float32)
     w = w.astype(jnp.float32)
     out = padded[:, 0:seq] * w[0]
     for j in range(1, width):
@@ -65,8 +71,11 @@ class GatedDeltaNet(eqx.Module):
     """The gated DeltaNet mixer; called as ``mixer(x, cos_sin, mask, s)`` like softmax attention.
 
     ``cos_sin`` is unused (the delta rule has no positions); ``mask`` is the
-    ``[batch, seq]`` padding mask (True: a real token) or None. Returns
-    ``o_proj``'s output.
+    ``[batch, seq]`` padding mask (True: a real token) or None. ``past``
+    (``jstd.Context``) is ``(state, conv_inputs)``: the state before the first
+    token ``[batch, heads, key_dim, value_dim]`` (what ``state_input`` then
+    holds) and the mixer inputs at the ``conv_width - 1`` positions before it
+    ``[batch, conv_width - 1, embed]``. Returns ``o_proj``'s output.
     """
 
     q: Float[Array, "embed qk_heads key_dim"] = param("embed", "linear_qk_heads", "key_dim")
@@ -86,14 +95,16 @@ class GatedDeltaNet(eqx.Module):
     allow_neg_eigval: bool = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True, default=64)
 
-    def __call__(self, x: Float[Array, "batch seq embed"], cos_sin, mask: Bool[Array, "batch seq"] | None, s):
+    def __call__(self, x: Float[Array, "batch seq embed"], cos_sin, mask: Bool[Array, "batch seq"] | None, s, past=None):
         if mask is not None:
             x = x * mask[..., None].astype(x.dtype)
         act = activation(self.act)
-        proj = lambda w: jnp.einsum("bte,ehd->bthd", x, w)
-        q = s(SITE + "attention_queries", act(causal_conv(proj(self.q), self.q_conv)))
-        k = s(SITE + "attention_keys", act(causal_conv(proj(self.k), self.k_conv)))
-        v = s(SITE + "attention_values", act(causal_conv(proj(self.v), self.v_conv)))
+        proj = lambda x, w: jnp.einsum("bte,ehd->bthd", x, w)
+        earlier = None if past is None else past[1].astype(x.dtype)
+        conv = lambda w, c: causal_conv(proj(x, w), c, None if earlier is None else proj(earlier, w))
+        q = s(SITE + "attention_queries", act(conv(self.q, self.q_conv)))
+        k = s(SITE + "attention_keys", act(conv(self.k, self.k_conv)))
+        v = s(SITE + "attention_values", act(conv(self.v, self.v_conv)))
         a = jnp.einsum("bte,eh->bth", x, self.a).astype(jnp.float32)
         decay = -jnp.exp(self.A_log.astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias.astype(jnp.float32))
         decay = s(SITE + "decays", decay)
@@ -101,9 +112,10 @@ class GatedDeltaNet(eqx.Module):
         beta = s(SITE + "betas", beta * 2.0 if self.allow_neg_eigval else beta)
 
         batch, heads, key_dim, value_dim = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
-        initial = None
+        initial = None if past is None else past[0].astype(jnp.float32)
         if s.touches(SITE + "state_input"):
-            initial = s(SITE + "state_input", jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32))
+            start = jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32) if initial is None else initial
+            initial = s(SITE + "state_input", start)
         with_states = s.touches(SITE + "states")
         result = chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=initial, use_qk_l2norm=True,
                                         chunk_size=self.chunk_size, return_states=with_states)
@@ -116,7 +128,7 @@ class GatedDeltaNet(eqx.Module):
         s(SITE + "state_output", final)  # what a cache would keep; nothing downstream reads it
         y = s(SITE + "attention_head_outputs", y)
 
-        gate = proj(self.gate)
+        gate = proj(x, self.gate)
         y = (self.o_norm(y).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(y.dtype)
         return jnp.einsum("bthd,hde->bte", y, self.o)
 

@@ -97,6 +97,11 @@ class Attention(eqx.Module):
     Taps, in order: queries, keys, values (after the rotary, before the GQA
     repeat), scores and probabilities (explicit path only: taken when either is
     read or edited), head_outputs, premix. Returns o_proj's output.
+
+    ``past``: the cached ``(keys, values)`` ``[batch, kv_heads, cached,
+    head_dim]`` of earlier positions (``jstd.Context``); the keys attended are
+    then the cached ones followed by the tokens' own, on the ``mask``'s key
+    axis and on the scores' and probabilities'.
     """
 
     q: Float[Array, "embed heads head_dim"] = param("embed", "heads", "head_dim")
@@ -121,7 +126,7 @@ class Attention(eqx.Module):
         y = norm(y.reshape(batch, seq, heads * dim)).reshape(batch, seq, heads, dim)
         return jnp.swapaxes(y, 1, 2)
 
-    def __call__(self, x: Float[Array, "batch seq embed"], cos_sin, mask: Bool[Array, "batch 1 seq seq"], s):
+    def __call__(self, x: Float[Array, "batch seq embed"], cos_sin, mask: Bool[Array, "batch 1 seq keys"], s, past=None):
         q = self.project(x, self.q, self.q_bias, self.q_norm)
         k = self.project(x, self.k, self.k_bias, self.k_norm)
         v = self.project(x, self.v, self.v_bias)
@@ -130,6 +135,8 @@ class Attention(eqx.Module):
         q = s("layers.self_attn.attention_queries", q)
         k = s("layers.self_attn.attention_keys", k)
         v = s("layers.self_attn.attention_values", v)
+        if past is not None:
+            k, v = (jnp.concatenate([cached.astype(own.dtype), own], axis=2) for cached, own in zip(past, (k, v)))
         if s.touches("layers.self_attn.attention_scores", "layers.self_attn.attention_probabilities"):
             scores = s("layers.self_attn.attention_scores", attn_kernels.scores(q, k, self.scale, mask))
             probs = s("layers.self_attn.attention_probabilities", attn_kernels.probabilities(scores))
@@ -164,7 +171,7 @@ class PreNormBlock(eqx.Module):
 
     ``mixer`` names the mixer's host: ``self_attn`` here, ``linear_attn`` on a
     block whose ``attn`` is a linear-attention mixer called the same way
-    (``attn(x, cos_sin, mask, s)``).
+    (``attn(x, cos_sin, mask, s, past)``).
     """
 
     attention_norm: RMSNorm
@@ -177,9 +184,10 @@ class PreNormBlock(eqx.Module):
     def contribution(self, sublayer: str, y, s):
         return y
 
-    def __call__(self, h: Float[Array, "batch seq embed"], cos_sin, mask, s) -> Float[Array, "batch seq embed"]:
+    def __call__(self, h: Float[Array, "batch seq embed"], cos_sin, mask, s, past=None) -> Float[Array, "batch seq embed"]:
         x = s("layers.layer_input", h)
-        a = self.attn(s("layers.attention_norm_output", self.attention_norm(x)), cos_sin, mask, s)
+        normed = s("layers.attention_norm_output", self.attention_norm(x))
+        a = self.attn(normed, cos_sin, mask, s, past)
         a = s(f"layers.{self.mixer}.attention_output", self.contribution(self.mixer, a, s))
         mid = s("layers.layer_mid", x + a)
         m_in = s("layers.mlp_input", s("layers.mlp_norm_output", self.mlp_norm(mid)))
@@ -211,9 +219,9 @@ class PostNormBlock(eqx.Module):
     mlp: GatedMLP
     mlp_post_norm: RMSNorm
 
-    def __call__(self, h: Float[Array, "batch seq embed"], cos_sin, mask, s) -> Float[Array, "batch seq embed"]:
+    def __call__(self, h: Float[Array, "batch seq embed"], cos_sin, mask, s, past=None) -> Float[Array, "batch seq embed"]:
         x = s("layers.layer_input", h)
-        a = s("layers.self_attn.attention_output", rounded(self.attention_post_norm(self.attn(x, cos_sin, mask, s))))
+        a = s("layers.self_attn.attention_output", rounded(self.attention_post_norm(self.attn(x, cos_sin, mask, s, past))))
         mid = s("layers.layer_mid", x + a)
         m = s("layers.mlp.mlp_output", rounded(self.mlp_post_norm(self.mlp(s("layers.mlp_input", mid), s))))
         return s("layers.layer_output", mid + m)

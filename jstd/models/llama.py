@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from jstd.config import ModelConfig
 from jstd.io.namemap import Entry, linear, split, split_in, split_out
-from jstd.kernels.attention import positions_and_mask
+from jstd.context import Context, begin
 from jstd.kernels.rope import Rotary, rotary_from_config
 from jstd.models.base import Family, param, shape, stacked
 from jstd.models.layers import Attention, GatedMLP, PreNormBlock, RMSNorm, stack
@@ -62,19 +62,20 @@ class Llama(Family):
         """The logits from the head's output (the identity on Llama)."""
         return head_output
 
-    def forward(self, tokens: Int[Array, "batch seq"], tap, attention_mask=None):
+    def forward(self, tokens: Int[Array, "batch seq"], tap, attention_mask=None, context: Context | None = None):
         s = tap.scope()
-        positions, mask = positions_and_mask(tokens, attention_mask)
-        h = self.enter_blocks(s("token_embeddings", self.embed_tokens(tokens)))
+        embed = lambda: self.enter_blocks(s("token_embeddings", self.embed_tokens(tokens)))
+        positions, mask, h = begin(tokens, attention_mask, context, embed)
         cos_sin = None if self.rotary is None else self.rotary.cos_sin(positions, h.dtype)
-        h, block_reads = scan_blocks(self.blocks, h, tap, (cos_sin, mask))
+        past = None if context is None or context.keys is None else (context.keys, context.values)
+        h, block_reads = scan_blocks(self.blocks, h, tap, (cos_sin, mask), past=past,
+                                     first=None if context is None else context.block)
         normed = s("final_norm_output", self.final_norm(h))
         logits = s("logits", self.finish_logits(s("lm_head_output", self.head(normed))))
         return logits, {**s.records, **block_reads}
 
-    def project_on_vocab(self, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
-        """Final norm, head and whatever follows the head: the logit lens (exact at the last block)."""
-        return self.finish_logits(self.head(self.final_norm(hidden)))
+    def logits_from_norm(self, normed: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
+        return self.finish_logits(self.head(normed))
 
     def layers_with(self, host: str) -> tuple[int, ...]:
         return tuple(range(self.config.num_layers)) if host in ("self_attn", "mlp", "") else ()

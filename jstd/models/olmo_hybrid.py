@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jstd.io.namemap import Entry, linear, split, split_in, split_out
-from jstd.kernels.attention import positions_and_mask
+from jstd.context import Context, begin
 from jstd.kernels.rope import Rotary, rotary_from_config
 from jstd.models.base import Family, param, shape, stacked
 from jstd.models.deltanet import DeltaNetBlock, GatedDeltaNet
@@ -81,29 +81,35 @@ class OlmoHybrid(Family):
     )
 
     # ---- the forward -------------------------------------------------------
-    def forward(self, tokens: Int[Array, "batch seq"], tap, attention_mask=None):
+    def forward(self, tokens: Int[Array, "batch seq"], tap, attention_mask=None, context: Context | None = None):
         s = tap.scope()
-        positions, mask = positions_and_mask(tokens, attention_mask)
-        h = s("token_embeddings", self.embed[tokens])
+        positions, mask, h = begin(tokens, attention_mask, context, lambda: s("token_embeddings", self.embed[tokens]))
         # OLMo's rotary module returns float32 cos/sin whatever the model's dtype
         cos_sin = None if self.rotary is None else self.rotary.cos_sin(positions, jnp.float32)
         padding = None if attention_mask is None else attention_mask.astype(bool)
+        pasts = {}
+        if context is not None and context.keys is not None:
+            pasts[FULL] = (context.keys, context.values)
+        if context is not None and context.states is not None:
+            pasts[LINEAR] = (context.states, context.conv_inputs)
         h, block_reads = scan_period(
             h, tap, self.config.layer_types,
             {LINEAR: self.linear_blocks, FULL: self.attention_blocks},
             {LINEAR: (None, padding), FULL: (cos_sin, mask)},
-            self.blocks_for,
+            self.blocks_for, pasts, None if context is None else context.block,
         )
         normed = s("final_norm_output", self.final_norm(h))
-        logits = s("logits", s("lm_head_output", self.head(normed)))
+        logits = s("logits", s("lm_head_output", self.logits_from_norm(normed)))
         return logits, {**s.records, **block_reads}
 
-    def head(self, normed):
+    def logits_from_norm(self, normed: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
+        """The head (nothing follows it on OLMo-Hybrid)."""
         return normed @ (self.embed.T if self.lm_head is None else self.lm_head)
 
-    def project_on_vocab(self, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
-        """Final norm and head (nothing follows the head): the logit lens, exact at the last block."""
-        return self.head(self.final_norm(hidden))
+    @property
+    def conv_width(self) -> int:
+        """The DeltaNet convolutions' width (``linear_conv_kernel_dim``)."""
+        return self.linear_blocks.attn.q_conv.shape[1]
 
     def layers_with(self, host: str) -> tuple[int, ...]:
         kinds = self.config.layer_types

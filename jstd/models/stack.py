@@ -65,6 +65,8 @@ def scan_period(
     stacks: Mapping[str, object],
     args: Mapping[str, tuple],
     blocks_for: Callable[[str], Sequence[int]],
+    pasts: Mapping[str, object] | None = None,
+    first=None,
 ):
     """Run every block over ``h`` in order; return ``(h, reads)``.
 
@@ -73,6 +75,12 @@ def scan_period(
         a block is called as ``block(h, *args[kind], scope)`` and returns the new h.
     blocks_for: site -> the blocks its values are stacked over; each such set
         must be all the blocks of some kinds.
+    pasts: kind -> what earlier positions left for each of that kind's blocks
+        (a pytree stacked like ``stacks[kind]``); a block with one is called as
+        ``block(h, *args[kind], scope, past=its entry)``.
+    first: the first block to run (an int or a traced int; None: block 0).
+        Blocks before it pass ``h`` through (``lax.cond``; under a ``vmap``
+        over ``first`` both branches run) and their reads are zeros.
 
     Raises ValueError when a stack's length does not match the kinds, or when a
     site's blocks are not all the blocks of some kinds.
@@ -104,14 +112,18 @@ def scan_period(
         records = []
         for q in range(width):
             kind = pattern[q]
-            block = jax.tree.map(lambda a: a[rank[q]], params[kind])
+            block, past = jax.tree.map(lambda a: a[rank[q]], params[kind])
 
             def stack_index(group, q=q):
                 return j * sum(k in group for k in pattern) + sum(k in group for k in pattern[:q])
 
-            s = BlockScope(tap, j * p + q, group_of, stack_index)
-            h = block(h, *args[kind], s)
-            records.append(s.records)
+            def step(h, q=q, kind=kind, block=block, past=past, stack_index=stack_index):
+                s = BlockScope(tap, j * p + q, group_of, stack_index)
+                h = block(h, *args[kind], s) if past is None else block(h, *args[kind], s, past=past)
+                return h, s.records
+
+            h, block_records = step(h) if first is None else _from_block(first, j * p + q, step, h)
+            records.append(block_records)
         return h, records
 
     per_period = {kind: pattern.count(kind) for kind in stacks}
@@ -120,12 +132,14 @@ def scan_period(
         params, j = xs
         return run_period(h, params, j, p)
 
-    whole = {kind: jax.tree.map(lambda a: a[: n * c].reshape(n, c, *a.shape[1:]), stacks[kind])
+    pasts = pasts or {}
+    bundles = {kind: (stacks[kind], pasts.get(kind)) for kind in stacks}
+    whole = {kind: jax.tree.map(lambda a: a[: n * c].reshape(n, c, *a.shape[1:]), bundles[kind])
              for kind, c in per_period.items() if c}
     h, period_reads = jax.lax.scan(body, h, (whole, jnp.arange(n)))
     tail_reads = []
     if tail:
-        rest = {kind: jax.tree.map(lambda a: a[n * c:], stacks[kind]) for kind, c in per_period.items()}
+        rest = {kind: jax.tree.map(lambda a: a[n * c:], bundles[kind]) for kind, c in per_period.items()}
         h, tail_reads = run_period(h, rest, n, tail)
 
     reads = {}
@@ -141,9 +155,19 @@ def scan_period(
     return h, reads
 
 
-def scan_blocks(blocks, h, tap, body_args, blocks_for=None):
-    """Run stacked ``blocks`` of one kind over ``h`` (one block per scan step); returns (h, stacked reads)."""
+def _from_block(first, layer, step, h):
+    """``step(h)`` for blocks at or after ``first``; ``(h, zeros shaped like its reads)`` before it."""
+    shapes = jax.eval_shape(step, h)[1]
+    skip = lambda h: (h, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+    return jax.lax.cond(layer >= first, step, skip, h)
+
+
+def scan_blocks(blocks, h, tap, body_args, blocks_for=None, past=None, first=None):
+    """Run stacked ``blocks`` of one kind over ``h`` (one block per scan step); returns (h, stacked reads).
+
+    ``past`` (stacked like ``blocks``) and ``first`` as in ``scan_period``.
+    """
     num = jax.tree.leaves(blocks)[0].shape[0]
     every = tuple(range(num))
     return scan_period(h, tap, ("block",) * num, {"block": blocks}, {"block": tuple(body_args)},
-                       blocks_for or (lambda site: every))
+                       blocks_for or (lambda site: every), None if past is None else {"block": past}, first)

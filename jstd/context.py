@@ -1,0 +1,124 @@
+"""``Context``: where a run picks up — what earlier positions left for its tokens, and the block it starts at.
+
+A plain run computes every block for positions ``0 .. seq-1``. A run with a
+``Context`` computes its tokens at the ``positions`` the context gives, each
+reading what the positions before it left in every block (softmax attention:
+their keys and values; DeltaNet: the state after them and the mixer inputs its
+convolutions still see), and may start at a later block from a given stream.
+Generation (a cache grown token by token) and patching (resume a corrupted run
+after the patched block and position) are both this one hook.
+
+Segments. Along a row, a run of consecutive positions is a *segment*: it
+continues the cached context from its first position ``start``. A token
+attends to the cached positions before its segment's ``start`` and to the
+tokens of its own segment up to itself. Cached entries at or after ``start``
+are ignored, so the keys and values of one whole run serve every ``start``,
+and one row may pack several segments (a new segment begins wherever a position
+is not the previous one plus one). DeltaNet blocks carry one state per row, so
+on models that have them each row is one segment.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from jstd.kernels.attention import positions_and_mask
+
+
+class Context(eqx.Module):
+    """What a run's tokens continue from. Every field but ``positions`` is optional.
+
+    positions: each token's position ``[batch, seq]`` (the rotary angle, and
+        which cached entries the token sees; see the module docstring).
+    keys, values: the cached softmax-attention keys (after the rotary) and
+        values ``[attention blocks, batch, kv_heads, cached, head_dim]``, as
+        read at ``layers.self_attn.attention_keys`` / ``attention_values`` on the
+        run being continued, stacked over the blocks that have ``self_attn``.
+    states: each DeltaNet block's state before the row's first position
+        ``[linear blocks, batch, heads, key_dim, value_dim]`` (float32; what
+        ``layers.linear_attn.states`` holds at that position minus one).
+    conv_inputs: each DeltaNet block's mixer input (``attention_norm_output``)
+        at the ``conv_width - 1`` positions before the row's first one
+        ``[linear blocks, batch, conv_width - 1, embed]`` (zeros before position 0).
+    block, stream: start at block ``block`` (an int or a traced int) whose
+        ``layer_input`` is ``stream`` ``[batch, seq, embed]``; the embedding and
+        the blocks before it do not run (their values read as zeros and edits
+        there have no effect). ``block == num_layers`` runs no block.
+    """
+
+    positions: Int[Array, "batch seq"]
+    keys: Float[Array, "blocks batch kv_heads cached head_dim"] | None = None
+    values: Float[Array, "blocks batch kv_heads cached head_dim"] | None = None
+    states: Float[Array, "blocks batch heads key_dim value_dim"] | None = None
+    conv_inputs: Float[Array, "blocks batch width embed"] | None = None
+    block: Int[ArrayLike, ""] | None = None
+    stream: Float[Array, "batch seq embed"] | None = None
+
+    def starts(self) -> Int[Array, "batch seq"]:
+        """Each token's segment start: its position minus its distance from its segment's first token."""
+        p = jnp.asarray(self.positions)
+        index = jnp.arange(p.shape[1])
+        new = jnp.concatenate([jnp.ones_like(p[:, :1], bool), p[:, 1:] != p[:, :-1] + 1], axis=1)
+        first = jax.lax.cummax(jnp.where(new, index, 0), axis=1)
+        return p - (index - first)
+
+    def attention_mask(self, cached: int) -> Bool[Array, "batch 1 seq keys"]:
+        """True where a token attends: over ``cached`` cached positions, then the run's own tokens."""
+        p = jnp.asarray(self.positions)
+        start = self.starts()
+        seen = jnp.arange(cached)[None, None, :] < start[:, :, None]
+        own = (start[:, :, None] == start[:, None, :]) & (p[:, None, :] <= p[:, :, None])
+        return jnp.concatenate([seen, own], axis=-1)[:, None]
+
+
+
+def begin(tokens: Int[Array, "batch seq"], attention_mask, context: Context | None, embed):
+    """A forward's start: ``(positions, mask, h)`` — position ids, the attention mask, block 0's (or the
+    context's start block's) input. ``embed()`` gives the stream from the tokens; it is not called when
+    the context brings its own stream."""
+    if context is None:
+        positions, mask = positions_and_mask(tokens, attention_mask)
+        return positions, mask, embed()
+    cached = 0 if context.keys is None else context.keys.shape[3]
+    h = embed() if context.stream is None else context.stream
+    return jnp.asarray(context.positions), context.attention_mask(cached), h
+
+
+KEYS, VALUES = "layers.self_attn.attention_keys", "layers.self_attn.attention_values"
+STATES, MIXER_INPUTS = "layers.linear_attn.states", "layers.attention_norm_output"
+
+
+def context_reads(model) -> tuple[str, ...]:
+    """The sites a run reads so that ``continuing`` can build a context from its outputs."""
+    reads = (KEYS, VALUES) if model.layers_with("self_attn") else ()
+    return reads + ((STATES, MIXER_INPUTS) if model.layers_with("linear_attn") else ())
+
+
+def continuing(model, outputs, positions: Int[ArrayLike, "batch seq"], *, block=None, stream=None) -> Context:
+    """The context of tokens at ``positions`` continuing the run whose ``outputs`` read ``context_reads(model)``.
+
+    The keys and values are the whole run's (each segment sees those before its
+    start). On models with DeltaNet blocks each row is one segment starting at
+    ``positions[:, 0]``: the states are the run's after the position before it
+    (zeros at 0), the convolution inputs those of the positions before it
+    (zeros before 0). Works with traced ``positions`` (one ``vmap`` over starts).
+    """
+    positions = jnp.asarray(positions)
+    keys = values = states = conv = None
+    if model.layers_with("self_attn"):
+        keys, values = outputs[KEYS], outputs[VALUES]
+    linear = model.layers_with("linear_attn")
+    if linear:
+        start = positions[:, 0]
+        batch = jnp.arange(positions.shape[0])
+        every = outputs[STATES]  # [blocks, batch, seq, heads, key_dim, value_dim]
+        states = jnp.where((start > 0)[None, :, None, None, None], every[:, batch, jnp.maximum(start - 1, 0)], 0.0)
+        rows = [model.blocks_for(MIXER_INPUTS).index(i) for i in linear]
+        inputs = outputs[MIXER_INPUTS][jnp.asarray(rows)]  # [blocks, batch, seq, embed]
+        before = start[:, None] - (model.conv_width - 1) + jnp.arange(model.conv_width - 1)  # [batch, width - 1]
+        conv = inputs[:, batch[:, None], jnp.maximum(before, 0)]
+        conv = jnp.where((before >= 0)[None, :, :, None], conv, 0.0).astype(inputs.dtype)
+    return Context(positions, keys, values, states, conv, block, stream)

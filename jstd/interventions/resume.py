@@ -1,0 +1,199 @@
+"""Patching sweeps that resume the corrupted run instead of recomputing it.
+
+A patch at block ``l`` and position ``p`` changes nothing at earlier blocks or
+earlier positions. So each patched run starts at block ``l`` (the blocks
+before it are skipped with ``lax.cond``) from the corrupted run's stream, and
+computes only the positions from ``p`` on, against the corrupted run's cached
+keys, values and states (``jstd.Context``). On softmax-attention models two
+such suffixes share one row — the suffix from ``p`` and a shorter one — so
+every row has about ``seq + 1`` tokens and all rows one shape: one compile
+for the whole sweep, the block index traced.
+
+A metric that reads one position (``metrics.PositionMetric``) gets the logits
+at that position alone; any other metric gets the full logits, the prefix's
+taken from the corrupted run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jstd.context import context_reads, continuing
+from jstd.interventions.edits import Set, site_axes
+from jstd.interventions.metrics import PositionMetric
+from jstd.interventions.reading import block_entry, read
+from jstd.run import run
+from jstd.sites import SITES
+
+STREAM_SITES = ("layers.layer_input", "layers.layer_output")
+
+
+def resumable(model, site: str, attention_mask) -> bool:
+    """Whether a sweep at ``site`` can resume the corrupted run: a block site with a ``seq`` axis, no padding."""
+    pos_axis, _ = site_axes(site)
+    return (attention_mask is None and SITES[site].per_block and pos_axis is not None
+            and SITES[site].layout[pos_axis] == "seq")
+
+
+class Rows(NamedTuple):
+    """The packed rows of a sweep (numpy; the same for every block).
+
+    positions, first, heads: ``[rows, length]`` — each token's position, whether
+        it is its segment's patched position, the head patched in its segment.
+    starts, entries: ``[rows, slots]`` — each segment's patched position and its
+        index in the entry list (-1: an empty slot), slots of a row in token order.
+    offsets: ``[rows, slots]`` — the index of each segment's first token in its row.
+    """
+
+    positions: np.ndarray
+    first: np.ndarray
+    heads: np.ndarray
+    starts: np.ndarray
+    entries: np.ndarray
+    offsets: np.ndarray
+
+
+def pack(positions: np.ndarray, heads: np.ndarray, seq: int, pair: bool) -> Rows:
+    """Rows holding the suffix of every entry ``(positions[i], heads[i])``: two per row when ``pair``.
+
+    The longest suffix shares a row with the shortest, and so on; rows are
+    padded at the end with tokens at position ``seq - 1`` (each its own
+    segment; they come after every real token, so they change nothing).
+    """
+    order = np.argsort(positions, kind="stable")
+    n = len(order)
+    groups = [[order[i], order[n - 1 - i]] if pair and i != n - 1 - i else [order[i]] for i in range((n + 1) // 2 if pair else n)]
+    length = max(sum(seq - positions[e] for e in g) for g in groups)
+    slots = max(len(g) for g in groups)
+    rows = len(groups)
+    pos = np.full((rows, length), seq - 1, np.int32)
+    first = np.zeros((rows, length), bool)
+    head = np.zeros((rows, length), np.int32)
+    starts = np.zeros((rows, slots), np.int32)
+    entries = np.full((rows, slots), -1, np.int32)
+    offsets = np.zeros((rows, slots), np.int32)
+    for r, group in enumerate(groups):
+        at = 0
+        for k, e in enumerate(group):
+            p = int(positions[e])
+            pos[r, at:at + seq - p] = np.arange(p, seq)
+            first[r, at] = True
+            head[r, at:at + seq - p] = heads[e]
+            starts[r, k], entries[r, k], offsets[r, k] = p, e, at
+            at += seq - p
+    return Rows(pos, first, head, starts, entries, offsets)
+
+
+def bytes_per_row(model, batch: int, length: int, keys: int) -> int:
+    """An upper estimate of one resumed run's working memory: ``length`` tokens attending to ``keys`` keys."""
+    c = model.config
+    item = max(np.dtype(x.dtype).itemsize for x in jax.tree.leaves(model) if hasattr(x, "dtype"))
+    per_token = 12 * c.hidden_size + 4 * c.intermediate_size + 3 * c.num_heads * keys + 2 * c.hidden_size
+    return item * batch * length * per_token
+
+
+def resumed_sweep(model, clean_values, corrupt, site: str, metric, layers, positions, heads, split_heads: bool,
+                  memory_budget: int, chunk_size: int | None, progress) -> np.ndarray:
+    """The sweep of ``patch_sweep`` through resumed runs: ``[layers, positions x heads, *metric]``.
+
+    ``clean_values``: the clean run's value of ``site`` (stacked over blocks);
+    ``heads``: the heads patched one at a time (``[0]`` when ``split_heads`` is
+    False: all heads together); ``chunk_size``: rows per chunk (default: as
+    many as ``memory_budget`` holds by ``bytes_per_row``); ``progress`` wraps
+    the iterable of blocks.
+    """
+    seq = corrupt.shape[1]
+    stream_site = "layers.layer_output" if site == "layers.layer_output" else "layers.layer_input"
+    corrupt_out = read(model, corrupt, context_reads(model) + (stream_site, "final_norm_output"))
+
+    entry_p = np.repeat(np.asarray(positions, np.int32), len(heads))
+    entry_h = np.tile(np.asarray(heads, np.int32), len(positions))
+    entry_p = np.where(entry_p < 0, entry_p + seq, entry_p)
+    rows = pack(entry_p, entry_h, seq, pair=not model.layers_with("linear_attn"))
+    n_rows, length = rows.positions.shape
+    keys = length + (corrupt_out[context_reads(model)[0]].shape[3] if model.layers_with("self_attn") else 0)
+    size = chunk_size or max(1, int(memory_budget // bytes_per_row(model, corrupt.shape[0], length, keys)))
+    size = min(size, n_rows)
+    chunks = math.ceil(n_rows / size)
+    size = math.ceil(n_rows / chunks)
+    pad = chunks * size - n_rows
+    padded = Rows(*(np.concatenate([a, np.repeat(a[-1:], pad, 0)]) for a in rows))
+
+    out = []
+    for li, layer in enumerate(progress(layers)):
+        per_layer = []
+        for c in range(chunks):
+            chunk = Rows(*(jnp.asarray(a[c * size:(c + 1) * size]) for a in padded))
+            per_layer.append(np.asarray(_chunk(model, corrupt, corrupt_out, clean_values, metric, chunk,
+                                               jnp.asarray(layer, jnp.int32), site, split_heads)))
+        values = np.concatenate(per_layer)[:n_rows]  # [rows, slots, *metric]
+        grid = np.zeros((len(entry_p),) + values.shape[2:], values.dtype)
+        mask = rows.entries >= 0
+        grid[rows.entries[mask]] = values[mask]
+        out.append(grid)
+    return np.stack(out)
+
+
+@eqx.filter_jit
+def _chunk(model, corrupt, corrupt_out, clean_values, metric, rows: Rows, layer, site: str, split_heads: bool):
+    """The metric of every segment of a chunk of rows at block ``layer``: ``[rows, slots, *metric]``."""
+    seq = corrupt.shape[1]
+    stream_site = "layers.layer_output" if site == "layers.layer_output" else "layers.layer_input"
+    corrupt_stream = corrupt_out[stream_site]
+    clean_value = block_entry(model, site, clean_values, layer)
+    normed_before = corrupt_out["final_norm_output"]
+
+    def one(positions, first, heads, starts, entries, offsets):
+        tokens = corrupt[:, positions]
+        edits = ()
+        if site in STREAM_SITES:
+            # the patch is the start block's input itself: layer_output at l is layer_input at l + 1
+            stream = jnp.where(first[None, :, None], clean_value[:, positions], corrupt_stream[layer][:, positions])
+            block = layer + 1 if site == "layers.layer_output" else layer
+        else:
+            stream, block = corrupt_out["layers.layer_input"][layer][:, positions], layer
+            edits = (Set(site, _rows_of(site, clean_value, positions), layer=layer,
+                         where=_patch_mask(site, clean_value.shape, first, heads if split_heads else None)),)
+        context = continuing(model, corrupt_out, jnp.broadcast_to(positions, tokens.shape), block=block, stream=stream)
+        normed = run(model, tokens, edits, reads=("final_norm_output",), context=context)["final_norm_output"]
+        return jax.vmap(lambda start, offset: _segment_metric(model, metric, normed, normed_before, start, offset, seq))(
+            starts, offsets)
+
+    return jax.vmap(one)(*rows)
+
+
+def _rows_of(site: str, value, positions):
+    """``value`` (one block's, over the prompt) at each token of a row, along the site's seq axis."""
+    return jnp.take(value, positions, axis=site_axes(site)[0])
+
+
+def _patch_mask(site: str, shape, first, heads):
+    """True at each segment's patched position (and its head, when ``heads`` is given): a mask of the
+    site's rank with the row's tokens on its seq axis (and the heads on its head axis)."""
+    pos_axis, head_axis = site_axes(site)
+    if heads is None:
+        return first.reshape([-1 if i == pos_axis else 1 for i in range(len(shape))])
+    mask = first[:, None] & (heads[:, None] == jnp.arange(shape[head_axis])[None, :])  # [tokens, heads]
+    if head_axis < pos_axis:
+        mask = mask.T
+    return mask.reshape([mask.shape[0] if i == min(pos_axis, head_axis) else mask.shape[1] if i == max(pos_axis, head_axis)
+                         else 1 for i in range(len(shape))])
+
+
+def _segment_metric(model, metric, normed, normed_before, start, offset, seq):
+    """The metric of one segment: its suffix's final-norm outputs after ``start``, the corrupted run's before."""
+    if isinstance(metric, PositionMetric):
+        q = metric.position % seq
+        at = jnp.where(q >= start, jnp.take(normed, jnp.clip(offset + q - start, 0, normed.shape[1] - 1), axis=1),
+                       normed_before[:, q])
+        return metric.at(model.logits_from_norm(at))
+    t = jnp.arange(seq)
+    mine = jnp.take(normed, jnp.clip(offset + t - start, 0, normed.shape[1] - 1), axis=1)
+    full = jnp.where((t >= start)[None, :, None], mine, normed_before)
+    return metric(model.logits_from_norm(full))
