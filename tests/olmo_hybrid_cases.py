@@ -3,10 +3,9 @@
 import copy
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, OlmoHybridConfig
+from transformers import OlmoHybridConfig
 
-from reference.checkpoints import randomize
+from reference.checkpoints import make_checkpoint as make_random_checkpoint
 
 LINEAR, FULL = "linear_attention", "full_attention"
 NO_ROTARY = dict(rope_type="default", rope_theta=None)  # the released base checkpoints: no rotary embedding
@@ -36,19 +35,16 @@ def config(case: str, **overrides) -> OlmoHybridConfig:
 
 
 def make_checkpoint(config, folder, seed: int = 0, branch_scale: float = 0.5) -> Path:
-    """A random OLMo-Hybrid checkpoint (``reference.checkpoints.randomize``) whose blocks add ``branch_scale``
-    times what they would: every block's contributions are halved (o_proj and down_proj on the DeltaNet
-    blocks, the post-norms on the attention blocks), as in a depth-scaled init.
+    """A random OLMo-Hybrid checkpoint (``reference.checkpoints.make_checkpoint``) whose blocks add
+    ``branch_scale`` times what they would: every block's contributions are halved (o_proj and down_proj on the
+    DeltaNet blocks, the post-norms on the attention blocks), as in a depth-scaled init. Returns the folder.
 
     Why: with O(1) contributions, eight random blocks amplify float32 rounding (transformers' own, against a
     float64 run, as much as jstd's) past 1e-5 relative, chiefly through the DeltaNet's gated o_norm, which
     rescales each head's output by 1/rms and so magnifies the rounding of heads whose output nearly cancels.
     """
-    torch.manual_seed(seed)
-    config.dtype = torch.float32
-    model = AutoModelForCausalLM.from_config(config)
-    randomize(model, seed)
-    with torch.no_grad():
+
+    def scale_branches(model):
         for layer in model.model.layers:
             if hasattr(layer, "self_attn"):
                 branches = [layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight]
@@ -56,9 +52,8 @@ def make_checkpoint(config, folder, seed: int = 0, branch_scale: float = 0.5) ->
                 branches = [layer.linear_attn.o_proj.weight, layer.mlp.down_proj.weight]
             for w in branches:
                 w.mul_(branch_scale)
-    folder = Path(folder)
-    model.save_pretrained(folder)
-    return folder
+
+    return make_random_checkpoint(config, folder, seed=seed, adjust=scale_branches)
 
 
 # site -> entry, or {layer type: entry}: the two block classes hold the values at different modules

@@ -11,8 +11,8 @@ from transformers import HyperCLOVAXConfig
 
 import jstd
 from conftest import assert_close, relative_rms
-from reference.checkpoints import make_checkpoint
-from reference.harness import LLAMA_PLAN, TorchEdit, TorchReference
+from reference.cases import Checkpoints, assert_every_value, assert_sites_close, jit_run, random_tokens
+from reference.harness import LLAMA_PLAN, TorchEdit
 
 SEQ = 11
 HEAD_DIM = 16
@@ -39,38 +39,22 @@ CASES = {
                     attention_multiplier=HEAD_DIM ** -0.5, logits_scaling=1.0),
 }
 
-jit_run = jax.jit(jstd.run, static_argnames="reads")
 # the residual stream and what the blocks add; read without the attention interior (the fused path)
 STREAM = ("layers.layer_output", "layers.self_attn.attention_output", "layers.mlp.mlp_output")
 
 
+def config(name):
+    return HyperCLOVAXConfig(**BASE, **CASES[name])
+
+
+tokens_for = functools.partial(random_tokens, seq=SEQ)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """(name, dtype) -> (name, folder, jstd model, torch reference), built once on first use."""
-
-    @functools.cache
-    def get(name, dtype="float32"):
-        if dtype != "float32":
-            _, folder, _, _ = get(name)
-            return name, folder, jstd.load(folder, dtype=dtype), TorchReference(folder, dtype=getattr(torch, dtype), plan=PLAN)
-        config = HyperCLOVAXConfig(**BASE, **CASES[name])
-        folder = make_checkpoint(config, tmp_path_factory.mktemp(name), seed=2)
-        return name, folder, jstd.load(folder), TorchReference(folder, plan=PLAN)
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def full_values(checkpoints):
-    """name -> (tokens, jstd outputs, torch values): every value the family serves, on one batch."""
-
-    @functools.cache
-    def get(name):
-        _, _, model, ref = checkpoints(name)
-        tokens = tokens_for(model)
-        return tokens, jit_run(model, tokens, reads=tuple(sorted(model.sites))), ref.run(tokens)
-
-    return get
+    """checkpoints(name, dtype="float32") -> (name, folder, jstd model, torch reference), built once on first use;
+    checkpoints.every_value(name) -> (tokens, jstd outputs, torch values) for every value on one batch."""
+    return Checkpoints(tmp_path_factory, config, seed=2, plan=PLAN, tokens=tokens_for)
 
 
 @pytest.fixture(params=sorted(CASES))
@@ -79,18 +63,14 @@ def case(request, checkpoints):
 
 
 @pytest.fixture
-def full(case, full_values):
-    return full_values(case[0])
+def full(case, checkpoints):
+    return checkpoints.every_value(case.name)
 
 
 @pytest.fixture
 def residual_case(checkpoints):
     """The case with every multiplier != 1 (residual_multiplier 0.3): edits, gradients, bfloat16."""
     return checkpoints("residual")
-
-
-def tokens_for(model, batch=2, seq=SEQ, seed=0):
-    return np.random.default_rng(seed).integers(0, model.config.vocab_size, (batch, seq))
 
 
 def test_serves_the_family_sites(case):
@@ -105,10 +85,7 @@ def test_serves_the_family_sites(case):
 def test_every_value_float32(case, full):
     name, _, model, _ = case
     _, out, want = full
-    assert set(want) == set(model.sites) | {"logits"}, set(want) ^ set(model.sites)
-    for site in model.sites:
-        assert_close(out[site], want[site], 1e-5, f"{name}:{site}")
-    assert_close(out.logits, want["logits"], 1e-5, f"{name}:logits")
+    assert_every_value(name, model, out, want, 1e-5)
 
 
 def test_fused_path_matches(case):
@@ -117,8 +94,7 @@ def test_fused_path_matches(case):
     tokens = tokens_for(model, seed=3)
     out = jit_run(model, tokens, reads=STREAM)
     want = ref.run(tokens, reads=STREAM + ("logits",))
-    for site in STREAM + ("logits",):
-        assert_close(out[site], want[site], 1e-5, f"{name}:{site}")
+    assert_sites_close(out, want, STREAM, 1e-5, name)
 
 
 def test_identities(case, full):
@@ -213,8 +189,7 @@ def test_edits_match_torch_hooks(residual_case):
         want = ref.run(tokens, reads=reads + ("logits",), edits=torch_edits)
         moved = np.abs(want["logits"] - clean).max()
         assert (moved > 1e-3) if changes else (moved < 1e-3), f"{label}: logits moved by {moved:.3g}"
-        for site in reads + ("logits",):
-            assert_close(out[site], want[site], 1e-5, f"{name}: {label}: {site}")
+        assert_sites_close(out, want, reads, 1e-5, f"{name}: {label}")
 
 
 @pytest.mark.parametrize("name,dtype", [("think14b", "float32"), ("residual", "float32"), ("residual", "bfloat16"),

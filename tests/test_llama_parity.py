@@ -2,7 +2,6 @@
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,22 +10,20 @@ import torch
 import jstd
 from conftest import assert_close, relative_rms
 from llama_cases import CASES, config
-from reference.checkpoints import make_checkpoint
-from reference.harness import TorchEdit, TorchReference
+from reference.cases import Checkpoints, assert_every_value, assert_sites_close, jit_run, random_tokens
+from reference.harness import TorchEdit
 
 SEQ = 11
 
 
+tokens_for = functools.partial(random_tokens, seq=SEQ)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """name -> (name, folder, jstd model, torch reference), built once per case on first use."""
-
-    @functools.cache
-    def get(name):
-        folder = make_checkpoint(config(name), tmp_path_factory.mktemp(name), seed=1)
-        return name, folder, jstd.load(folder), TorchReference(folder)
-
-    return get
+    """checkpoints(name, dtype="float32") -> (name, folder, jstd model, torch reference), built once on first use;
+    checkpoints.every_value(name) -> (tokens, every value jstd serves, every value torch captures) on one batch."""
+    return Checkpoints(tmp_path_factory, config, seed=1, tokens=tokens_for)
 
 
 @pytest.fixture(params=sorted(CASES))
@@ -36,7 +33,7 @@ def case(request, checkpoints):
 
 @pytest.fixture(params=["gqa", "tied"])
 def bf16_case(request, checkpoints):
-    return checkpoints(request.param)
+    return checkpoints(request.param, "bfloat16")
 
 
 @pytest.fixture(params=["gqa", "bias"])
@@ -44,20 +41,10 @@ def edit_case(request, checkpoints):
     return checkpoints(request.param)
 
 
-def tokens_for(model, batch=2, seq=SEQ, seed=0):
-    return np.random.default_rng(seed).integers(0, model.config.vocab_size, (batch, seq))
-
-
-def test_every_value_float32(case):
-    name, _, model, ref = case
-    tokens = tokens_for(model)
-    reads = tuple(sorted(model.sites))
-    out = jax.jit(jstd.run, static_argnames="reads")(model, tokens, reads=reads)
-    want = ref.run(tokens)
-    assert set(want) == set(reads) | {"logits"}, set(want) ^ set(reads)
-    for site in reads:
-        assert_close(out[site], want[site], 1e-5, f"{name}:{site}")
-    assert_close(out.logits, want["logits"], 1e-5, f"{name}:logits")
+def test_every_value_float32(case, checkpoints):
+    name, _, model, _ = case
+    _, out, want = checkpoints.every_value(name)
+    assert_every_value(name, model, out, want, 1e-5)
 
 
 def test_fused_path_matches(case):
@@ -71,9 +58,7 @@ def test_fused_path_matches(case):
 
 
 def test_bfloat16(bf16_case):
-    name, folder, _, _ = bf16_case
-    model = jstd.load(folder, dtype=jnp.bfloat16)
-    ref = TorchReference(folder, dtype=torch.bfloat16)
+    name, _, model, ref = bf16_case
     tokens = tokens_for(model)
     reads = ("layers.layer_output", "layers.self_attn.attention_probabilities", "layers.mlp.mlp_output")
     out = jstd.run(model, tokens, reads=reads)
@@ -154,8 +139,7 @@ def test_edits_match_torch_hooks(edit_case):
     reads = ("layers.layer_output", "layers.self_attn.attention_head_outputs", "layers.mlp.mlp_output")
     clean = ref.run(tokens, reads=("logits",))["logits"]
     for label, edits, torch_edits in _edit_cases(model):
-        out = jax.jit(jstd.run, static_argnames="reads")(model, tokens, edits, reads=reads)
+        out = jit_run(model, tokens, edits, reads=reads)
         want = ref.run(tokens, reads=reads + ("logits",), edits=torch_edits)
         assert np.abs(want["logits"] - clean).max() > 1e-3, f"{label}: the edit changes nothing"
-        for site in reads + ("logits",):
-            assert_close(out[site], want[site], 1e-5, f"{name}: {label}: {site}")
+        assert_sites_close(out, want, reads, 1e-5, f"{name}: {label}")

@@ -1,1 +1,1 @@
-"""The torch reference harness: tiny random checkpoints and captures of every standard value."""
+"""The torch reference harness: tiny random checkpoints, a family's test cases built from them, and captures of every standard value."""

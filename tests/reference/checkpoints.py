@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -28,12 +29,17 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.1 * noise)
 
 
-def make_checkpoint(config, folder: str | Path, seed: int = 0) -> Path:
-    """Build a random model from a transformers config, randomize it, save it (safetensors) to ``folder``."""
+def make_checkpoint(config, folder: str | Path, seed: int = 0,
+                    adjust: Callable[[torch.nn.Module], None] | None = None) -> Path:
+    """Build a random float32 model from a transformers config, ``randomize`` it, let ``adjust`` (if given) change
+    its parameters in place, save it (safetensors) to ``folder``. Returns ``folder`` as a Path."""
     torch.manual_seed(seed)
     config.dtype = torch.float32
     model = AutoModelForCausalLM.from_config(config)
     randomize(model, seed)
+    if adjust is not None:
+        with torch.no_grad():
+            adjust(model)
     folder = Path(folder)
     model.save_pretrained(folder)
     return folder
