@@ -107,12 +107,19 @@ def scan_period(
             groups[site] = group
         return groups[site]
 
-    def run_period(h, params, j, width):
-        """Blocks ``j * p + q`` for q < width; params: kind -> [count in pattern[:width], ...]."""
+    per_period = {kind: pattern.count(kind) for kind in stacks}
+    pasts = pasts or {}
+    bundles = {kind: (stacks[kind], pasts.get(kind)) for kind in stacks}
+
+    def run_period(h, j, width):
+        """Blocks ``j * p + q`` for q < width (``j`` traced inside the scan, an int for the tail)."""
         records = []
         for q in range(width):
             kind = pattern[q]
-            block, past = jax.tree.map(lambda a: a[rank[q]], params[kind])
+            # index the whole stacks: reshaping them per period would copy every weight (XLA does not
+            # treat the [n, 1, ...] reshape as a bitcast), indexing them in the loop copies one block
+            index = j * per_period[kind] + rank[q]
+            block, past = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), bundles[kind])
 
             def stack_index(group, q=q):
                 return j * sum(k in group for k in pattern) + sum(k in group for k in pattern[:q])
@@ -126,21 +133,10 @@ def scan_period(
             records.append(block_records)
         return h, records
 
-    per_period = {kind: pattern.count(kind) for kind in stacks}
-
-    def body(h, xs):
-        params, j = xs
-        return run_period(h, params, j, p)
-
-    pasts = pasts or {}
-    bundles = {kind: (stacks[kind], pasts.get(kind)) for kind in stacks}
-    whole = {kind: jax.tree.map(lambda a: a[: n * c].reshape(n, c, *a.shape[1:]), bundles[kind])
-             for kind, c in per_period.items() if c}
-    h, period_reads = jax.lax.scan(body, h, (whole, jnp.arange(n)))
+    h, period_reads = jax.lax.scan(lambda h, j: run_period(h, j, p), h, jnp.arange(n))
     tail_reads = []
     if tail:
-        rest = {kind: jax.tree.map(lambda a: a[n * c:], bundles[kind]) for kind, c in per_period.items()}
-        h, tail_reads = run_period(h, rest, n, tail)
+        h, tail_reads = run_period(h, n, tail)
 
     reads = {}
     for site in {site for r in period_reads + tail_reads for site in r}:
