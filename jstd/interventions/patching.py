@@ -8,12 +8,12 @@ evaluates ``metric(logits)`` on each patched run. The entries run as one jitted
 ``vmap`` over chunks whose size keeps the chunk's working memory within
 ``memory_budget``; one compile serves every chunk (the last is padded).
 
-Each patched run recomputes every block and position: a patch at block ``l``
-and position ``p`` changes nothing before either, but ``jstd.run`` has no way
-yet to start at block ``l`` from a given stream, or to compute only positions
-from ``p`` on against the corrupted run's cached keys and values.
-``benchmarks/patching.py`` holds a prototype of that hook (about 3-4x faster
-on CPU for a residual sweep).
+A patch at block ``l`` and position ``p`` changes nothing before either, so
+sweeps at sites with a ``seq`` axis resume the corrupted run
+(``jstd.interventions.resume``): each patched run starts at block ``l`` and
+computes the positions from ``p`` on against the corrupted run's cached keys,
+values and states. Other sites (attention patterns, states, prompt-wide
+values) and padded batches recompute every block and position.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jstd.interventions.chunking import balanced, fit
 from jstd.interventions.edits import Set, site_axes
 from jstd.interventions.reading import block_entry, read
 from jstd.interventions.resume import resumable, resumed_sweep
@@ -98,9 +99,7 @@ def bytes_per_run(model, batch: int, seq: int) -> int:
 def chunk_size_for(model, batch: int, seq: int, entries: int, memory_budget: int) -> int:
     """The largest chunk of patched runs whose working memory fits ``memory_budget`` (at least 1),
     balanced so the chunks are of near-equal size."""
-    most = max(1, int(memory_budget // bytes_per_run(model, batch, seq)))
-    chunks = math.ceil(entries / most)
-    return max(1, math.ceil(entries / chunks))
+    return balanced(entries, int(memory_budget // bytes_per_run(model, batch, seq)))
 
 
 def patch_sweep(
@@ -120,10 +119,12 @@ def patch_sweep(
     layer=layers[i], positions=positions[j], heads=heads[k], metric=metric)``.
 
     Chunks of ``chunk_size`` entries (default: as many as fit
-    ``memory_budget`` bytes of working memory, per ``bytes_per_run``; the
-    model, the clean values and the results are outside the budget) run as one
-    jitted ``vmap`` each, with one compile for the whole sweep, under a tqdm
-    progress bar when tqdm is installed and ``progress``.
+    ``memory_budget`` bytes of working memory by the compiled chunk's own
+    figure, ``jstd.interventions.chunking``; the model, the clean and
+    corrupted runs' values and the results are outside the budget) run as one
+    compiled ``vmap`` each, under a tqdm progress bar when tqdm is installed
+    and ``progress``. A resumed sweep's chunks are packed rows, each holding
+    up to two entries.
     """
     site, _ = _split(site, None)
     _check_pair(clean, corrupt)
@@ -163,18 +164,20 @@ def patch_sweep(
                             lambda blocks: _progress(blocks, progress, f"patching {site}"))
         return jnp.asarray(out.reshape(shape + out.shape[2:]))
 
-    size = chunk_size or chunk_size_for(model, clean.shape[0], clean.shape[1], n, memory_budget)
-    size = min(size, n)
+    what = (per_block, pos_axis is not None, split_heads)
+    entries_of = lambda g, start, size: SweepGrid(*(jnp.asarray(a[start:start + size]) for a in g))
+    lower = lambda size: _sweep_chunk.lower(model, corrupt, attention_mask, clean_values, metric,
+                                            entries_of((grid_l, grid_p, grid_h), 0, size), site, what)
+    guess = chunk_size_for(model, clean.shape[0], clean.shape[1], n, memory_budget)
+    size, chunk = fit(lower, n, guess, memory_budget, chunk_size)
     chunks = math.ceil(n / size)
     pad = chunks * size - n
     padded = [np.concatenate([g, np.repeat(g[-1:], pad)]) for g in (grid_l, grid_p, grid_h)]
-    what = (per_block, pos_axis is not None, split_heads)
 
     results = []
     for i in _progress(range(chunks), progress, f"patching {site}"):
-        entries = SweepGrid(*(jnp.asarray(g[i * size:(i + 1) * size]) for g in padded))
         results.append(jax.block_until_ready(
-            _sweep_chunk(model, corrupt, attention_mask, clean_values, metric, entries, site, what)))
+            chunk(model, corrupt, attention_mask, clean_values, metric, entries_of(padded, i * size, size), site, what)))
     out = jnp.concatenate(results)[:n]
     return out.reshape(shape + out.shape[1:])
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstd.context import context_reads, continuing
+from jstd.interventions.chunking import fit
 from jstd.interventions.edits import Set, site_axes
 from jstd.interventions.metrics import PositionMetric
 from jstd.interventions.reading import block_entry, read
@@ -105,8 +106,8 @@ def resumed_sweep(model, clean_values, corrupt, site: str, metric, layers, posit
     ``clean_values``: the clean run's value of ``site`` (stacked over blocks);
     ``heads``: the heads patched one at a time (``[0]`` when ``split_heads`` is
     False: all heads together); ``chunk_size``: rows per chunk (default: as
-    many as ``memory_budget`` holds by ``bytes_per_row``); ``progress`` wraps
-    the iterable of blocks.
+    many as fit ``memory_budget``, ``chunking.fit`` from the guess of
+    ``bytes_per_row``); ``progress`` wraps the iterable of blocks.
     """
     seq = corrupt.shape[1]
     stream_site = "layers.layer_output" if site == "layers.layer_output" else "layers.layer_input"
@@ -118,10 +119,12 @@ def resumed_sweep(model, clean_values, corrupt, site: str, metric, layers, posit
     rows = pack(entry_p, entry_h, seq, pair=not model.layers_with("linear_attn"))
     n_rows, length = rows.positions.shape
     keys = length + (corrupt_out[context_reads(model)[0]].shape[3] if model.layers_with("self_attn") else 0)
-    size = chunk_size or max(1, int(memory_budget // bytes_per_row(model, corrupt.shape[0], length, keys)))
-    size = min(size, n_rows)
+    chunk_rows = lambda rows, start, size: Rows(*(jnp.asarray(a[start:start + size]) for a in rows))
+    lower = lambda size: _chunk.lower(model, corrupt, corrupt_out, clean_values, metric, chunk_rows(rows, 0, size),
+                                      jnp.asarray(layers[0], jnp.int32), site, split_heads)
+    guess = int(memory_budget // bytes_per_row(model, corrupt.shape[0], length, keys))
+    size, chunk = fit(lower, n_rows, guess, memory_budget, chunk_size)
     chunks = math.ceil(n_rows / size)
-    size = math.ceil(n_rows / chunks)
     pad = chunks * size - n_rows
     padded = Rows(*(np.concatenate([a, np.repeat(a[-1:], pad, 0)]) for a in rows))
 
@@ -129,9 +132,9 @@ def resumed_sweep(model, clean_values, corrupt, site: str, metric, layers, posit
     for li, layer in enumerate(progress(layers)):
         per_layer = []
         for c in range(chunks):
-            chunk = Rows(*(jnp.asarray(a[c * size:(c + 1) * size]) for a in padded))
-            per_layer.append(np.asarray(_chunk(model, corrupt, corrupt_out, clean_values, metric, chunk,
-                                               jnp.asarray(layer, jnp.int32), site, split_heads)))
+            per_layer.append(np.asarray(chunk(model, corrupt, corrupt_out, clean_values, metric,
+                                              chunk_rows(padded, c * size, size), jnp.asarray(layer, jnp.int32),
+                                              site, split_heads)))
         values = np.concatenate(per_layer)[:n_rows]  # [rows, slots, *metric]
         grid = np.zeros((len(entry_p),) + values.shape[2:], values.dtype)
         mask = rows.entries >= 0
