@@ -11,11 +11,10 @@ process: the clean block outputs are saved in one trace, then one trace per
 entry sets ``model.layers[l].output[:, p]`` and saves the logits. Torch uses
 whichever of 1 or all threads runs its forward faster here.
 
-A third row times ``prefix_reuse_sweep`` below: a prototype (not part of
-jstd) of the core hook that ``patch_sweep`` would use to skip the blocks before
-the patched one and the positions before the patched one. It reuses the
-corrupted run's keys and values for the prefix and packs the suffixes from
-``p`` and ``63 - p`` into one row of 65 tokens, so every chunk has one shape.
+``patch_sweep`` resumes the corrupted run (``jstd.interventions.resume``):
+each patched run starts at the patched block and computes only the positions
+from the patched one on, against the corrupted run's keys and values, two
+suffixes packed per row.
 
 Peak memory: in a fresh process (glibc told to return large blocks at once),
 RSS is sampled every 2 ms during a warm sweep under a budget, for two sweep
@@ -36,7 +35,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jstd
@@ -46,7 +44,6 @@ from forward import SIZE, llama_config
 SEQ = 64
 SITE = "layers.layer_output"
 TARGET, OTHER = 11, 42
-_PREFIX_CHUNK = jax.jit(lambda *a: _prefix_chunk(*a))
 
 
 def prompts():
@@ -83,81 +80,6 @@ def nnsight_sweep(ref, clean, corrupt, entries, device="cpu"):
     return out
 
 
-# ---- prototype of the prefix-reuse hook (Llama blocks, residual stream; not part of jstd) -------------
-
-
-def packed_rows(seq: int):
-    """Rows pairing the suffix from p with the suffix from seq-1-p (seq + 1 tokens per row).
-
-    Returns, each [seq // 2, seq + 1]: every token's position in the prompt, the
-    patched position of its segment (it attends to cached keys before it), its
-    segment (0 or 1); and [seq // 2, 2], the index of each segment's last token.
-    """
-    rows = seq // 2
-    pos, start, seg = (np.zeros((rows, seq + 1), np.int32) for _ in range(3))
-    for r in range(rows):
-        a, b = np.arange(r, seq), np.arange(seq - 1 - r, seq)
-        pos[r] = np.concatenate([a, b])
-        start[r] = np.concatenate([np.full_like(a, r), np.full_like(b, seq - 1 - r)])
-        seg[r] = np.concatenate([np.zeros_like(a), np.ones_like(b)])
-    ends = np.stack([seq - 1 - np.arange(rows), np.full(rows, seq)], 1)
-    return pos, start, seg, ends
-
-
-def _suffix_block(block, h, cache_k, cache_v, cos_sin, mask, scope):
-    """One Llama block on packed suffix rows whose attention also reads the cached prefix keys and values."""
-    from jstd.kernels import attention
-    from jstd.kernels.rope import apply_rotary
-
-    attn = block.attn
-    x = block.attention_norm(h)
-    q = apply_rotary(attn.project(x, attn.q, attn.q_bias), *cos_sin)
-    k = apply_rotary(attn.project(x, attn.k, attn.k_bias), *cos_sin)
-    v = attn.project(x, attn.v, attn.v_bias)
-    rows = h.shape[0]
-    keys = jnp.concatenate([jnp.broadcast_to(cache_k, (rows,) + cache_k.shape), k], 2)
-    values = jnp.concatenate([jnp.broadcast_to(cache_v, (rows,) + cache_v.shape), v], 2)
-    a = jnp.einsum("bthd,hde->bte", attention.fused(q, keys, values, attn.scale, mask), attn.o)
-    mid = h + (a if attn.o_bias is None else a + attn.o_bias)
-    return mid + block.mlp(block.mlp_norm(mid), scope)
-
-
-def _prefix_chunk(model, layer, corrupt_out, clean_out, cache_k, cache_v, pos, start, seg, ends, target, other):
-    from jstd.tap import Tap
-
-    seq, num_layers = corrupt_out.shape[2], model.config.num_layers
-    h0 = jnp.where((pos == start)[..., None], clean_out[layer, 0][pos], corrupt_out[layer, 0][pos])
-    cos_sin = model.rotary.cos_sin(pos, h0.dtype)
-    own = (seg[:, :, None] == seg[:, None, :]) & (pos[:, None, :] <= pos[:, :, None])
-    cached = jnp.arange(seq)[None, None, :] < start[:, :, None]
-    mask = jnp.concatenate([cached, own], -1)[:, None]
-    scope = Tap(frozenset(), (), num_layers, {}).scope()
-
-    def body(h, xs):
-        block, k, v, i = xs
-        run_block = lambda h: _suffix_block(block, h, k[0], v[0], cos_sin, mask, scope)
-        return jax.lax.cond(i > layer, run_block, lambda h: h, h), None  # blocks up to the patched one: skipped
-
-    h, _ = jax.lax.scan(body, h0, (model.blocks, cache_k, cache_v, jnp.arange(num_layers)))
-    logits = model.project_on_vocab(jnp.take_along_axis(h, ends[:, :, None], 1))  # the head at the last tokens only
-    return logits[..., target] - logits[..., other]
-
-
-def prefix_reuse_sweep(model, clean, corrupt):
-    """The residual patching sweep of ``jstd_sweep``, through the prototype hook: [layers, positions]."""
-    read = jax.jit(jstd.run, static_argnames="reads")
-    sites = ("layers.layer_output", "layers.self_attn.attention_keys", "layers.self_attn.attention_values")
-    c = read(model, corrupt, reads=sites)
-    clean_out = read(model, clean, reads=sites[:1])[sites[0]]
-    seq = corrupt.shape[1]
-    rows = packed_rows(seq)
-    grid = np.zeros((model.config.num_layers, seq), np.float32)
-    for layer in range(model.config.num_layers):  # one chunk per block: one compile, the block index traced
-        d = np.asarray(_PREFIX_CHUNK(model, layer, c[sites[0]], clean_out, c[sites[1]], c[sites[2]], *rows, TARGET, OTHER))
-        grid[layer, : seq // 2], grid[layer, seq - 1 - np.arange(seq // 2)] = d[:, 0], d[:, 1]
-    return grid
-
-
 def peak_memory(folder: Path, budget: int, layers: int) -> dict:
     """Peak RSS above the level before a warm sweep over ``layers`` blocks x 64 positions, in a fresh process."""
     code = f"""
@@ -178,8 +100,7 @@ base = proc.memory_info().rss
 t = threading.Thread(target=sample); t.start()
 jstd_sweep(model, clean, corrupt, {budget}, layers)
 done[0] = True; t.join()
-from jstd.interventions.patching import chunk_size_for
-print(json.dumps(dict(added=peak[0] - base, chunk=chunk_size_for(model, 1, 64, {layers} * 64, {budget}))))
+print(json.dumps(dict(added=peak[0] - base)))
 """
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
@@ -236,7 +157,6 @@ def main():
         return result, cold, float(np.median(warm))
 
     grid, cold, t_jstd = timed(lambda: jstd_sweep(model, clean, corrupt, budget))
-    proto, proto_cold, t_proto = timed(lambda: prefix_reuse_sweep(model, clean, corrupt))
 
     entries = [(l, p) for l in range(8) for p in range(SEQ)]
     if args.nnsight_entries < len(entries):
@@ -246,7 +166,6 @@ def main():
         ref_values = nnsight_sweep(ref, clean, corrupt, entries, args.device)
         t_nnsight = (time.perf_counter() - t) * 512 / len(entries)
     diff = max(abs(ref_values[e] - grid[e]) for e in entries)
-    diff_proto = max(abs(ref_values[e] - proto[e]) for e in entries)
 
     mem = {}
     if jax.default_backend() == "cpu" and not args.no_memory:
@@ -259,13 +178,10 @@ def main():
     print(f"| residual patching sweep, 8 blocks x 64 positions: nnsight loop / jstd.patch_sweep (warm) "
           f"| {t_nnsight / t_jstd:.1f}x | jstd {t_jstd:.2f} s, nnsight {t_nnsight:.1f} s |")
     print(f"| the same, jstd including its one compile | {t_nnsight / cold:.1f}x | jstd {cold:.2f} s cold |")
-    print(f"| the same, through the proposed prefix-reuse hook (prototype here, warm / cold) "
-          f"| {t_nnsight / t_proto:.1f}x / {t_nnsight / proto_cold:.1f}x | {t_proto:.2f} s / {proto_cold:.2f} s |")
-    print(f"| max abs difference of the metric vs nnsight: patch_sweep, prototype | {diff:.1e}, {diff_proto:.1e} "
-          f"| logit difference (scale {np.abs(grid).max():.2f}) |")
+    print(f"| max abs difference of the metric vs nnsight | {diff:.1e} | logit difference (scale {np.abs(grid).max():.2f}) |")
     for (b, l), m in mem.items():
         print(f"| peak memory of a {l * 64}-entry sweep / its budget of {b} MiB | {m['added'] / (b << 20):.2f} "
-              f"| {m['added'] / 2**20:.0f} MiB used, chunks of {m['chunk']} |")
+              f"| {m['added'] / 2**20:.0f} MiB used |")
 
 
 if __name__ == "__main__":

@@ -57,23 +57,21 @@ class Context(eqx.Module):
     block: Int[ArrayLike, ""] | None = None
     stream: Float[Array, "batch seq embed"] | None = None
 
-    def starts(self) -> Int[Array, "batch seq"]:
-        """Each token's segment start: its position minus its distance from its segment's first token."""
+    def segments(self) -> tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]]:
+        """Each token's segment (numbered along its row) and that segment's start position."""
         p = jnp.asarray(self.positions)
         index = jnp.arange(p.shape[1])
         new = jnp.concatenate([jnp.ones_like(p[:, :1], bool), p[:, 1:] != p[:, :-1] + 1], axis=1)
         first = jax.lax.cummax(jnp.where(new, index, 0), axis=1)
-        return p - (index - first)
+        return jnp.cumsum(new, axis=1), p - (index - first)
 
     def attention_mask(self, cached: int) -> Bool[Array, "batch 1 seq keys"]:
         """True where a token attends: over ``cached`` cached positions, then the run's own tokens."""
         p = jnp.asarray(self.positions)
-        start = self.starts()
+        segment, start = self.segments()
         seen = jnp.arange(cached)[None, None, :] < start[:, :, None]
-        own = (start[:, :, None] == start[:, None, :]) & (p[:, None, :] <= p[:, :, None])
+        own = (segment[:, :, None] == segment[:, None, :]) & (p[:, None, :] <= p[:, :, None])
         return jnp.concatenate([seen, own], axis=-1)[:, None]
-
-
 
 def begin(tokens: Int[Array, "batch seq"], attention_mask, context: Context | None, embed):
     """A forward's start: ``(positions, mask, h)`` — position ids, the attention mask, block 0's (or the

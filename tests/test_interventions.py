@@ -294,3 +294,56 @@ def test_attribution_patching_is_gradient_times_difference(model, pair):
         _, slope = jax.jit(lambda t: jax.jvp(patched, (t,), (jnp.ones(()),)))(jnp.zeros(()))
         entry = est[site][layer, pos] if not head else est[site][layer, pos, head[0]]
         close(entry, slope, 1e-4)
+
+
+# ---- resumed sweeps -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("site,heads", [
+    ("layers.layer_input", None), ("layers.layer_mid", None), ("layers.self_attn.attention_keys", None),
+    ("layers.self_attn.attention_queries", None), ("layers.mlp.mlp_neurons", None),
+])
+def test_resumed_sweeps_equal_recomputed_sweeps(model, pair, site, heads):
+    """Without padding both paths run: a ones attention_mask makes the sweep recompute every block and position."""
+    clean, corrupt = pair
+    every_position = lambda logits: jax.nn.log_softmax(logits, -1)[:, :, 7].mean(0)  # reads every position
+    for metric in (jstd.target_probability(11), every_position):
+        resumed = jstd.patch_sweep(model, clean, corrupt, site, metric, positions=[0, 2, 3, 6], progress=False)
+        recomputed = jstd.patch_sweep(model, clean, corrupt, site, metric, positions=[0, 2, 3, 6], progress=False,
+                                      attention_mask=np.ones_like(clean))
+        assert resumed.shape == recomputed.shape
+        close(resumed, recomputed, 1e-4)
+
+
+def test_hybrid_sweep_resumes_states(tmp_path_factory):
+    from olmo_hybrid_cases import config, make_checkpoint
+
+    hybrid = jstd.load(make_checkpoint(config("tail"), tmp_path_factory.mktemp("hybrid")))
+    rng = np.random.default_rng(3)
+    clean = rng.integers(0, hybrid.config.vocab_size, (1, SEQ))
+    corrupt = clean.copy()
+    corrupt[0, 1] = (clean[0, 1] + 1) % hybrid.config.vocab_size
+    metric = jstd.logit_difference(3, 4)
+    for site in ("layers.layer_output", "layers.linear_attn.attention_values", "layers.mlp.mlp_output"):
+        grid = jstd.patch_sweep(hybrid, clean, corrupt, site, metric, heads=False, progress=False)
+        blocks = hybrid.blocks_for(site)
+        for i, layer in enumerate(blocks[::2]):
+            for pos in (0, 1, 4, SEQ - 1):
+                close(grid[2 * i, pos], jstd.patch(hybrid, clean, corrupt, site, layer=layer, positions=pos, metric=metric),
+                      1e-4)
+
+
+def test_chunks_are_fitted_by_the_compiled_working_memory():
+    import equinox as eqx
+
+    from jstd.interventions.chunking import fit, working_memory
+
+    sort_rows = eqx.filter_jit(lambda x: jnp.sort(x * 2.0, axis=-1).sum(-1))
+    lower = lambda n: sort_rows.lower(jnp.ones((n, 20000)))
+    one = working_memory(lower(1).compile())
+    budget = 10 * one
+    size, compiled = fit(lower, 100, 100, budget)
+    assert 1 < size < 100 and working_memory(compiled) <= budget
+    assert fit(lower, 100, 100, budget, size=7)[0] == 7
+    with pytest.warns(UserWarning, match="more than the memory_budget"):
+        assert fit(lower, 100, 100, one // 2)[0] == 1
