@@ -16,7 +16,7 @@ from reference.cases import Checkpoints, assert_every_value, assert_sites_close,
 from reference.harness import TorchEdit
 
 SEQ = 16
-LONG = 70  # crosses the delta rule's 64-token chunk boundary
+LONG = 70  # crosses the delta rule's 32-token chunk boundaries twice
 LA = "layers.linear_attn."
 
 STREAM = ("layers.layer_input", "layers.layer_mid", "layers.layer_output", "layers.self_attn.attention_output",
@@ -71,6 +71,11 @@ def test_hosts_and_blocks(checkpoints):
     np.testing.assert_array_equal(out["layers.4.attention_norm_output"], out["layers.attention_norm_output"][3])
     np.testing.assert_array_equal(out["layers.5.linear_attn.state_output"], out["layers.linear_attn.state_output"][4])
     assert out["layers.linear_attn.state_output"].shape == (5, 2, 2, 8, 16)
+    for i in (0, 2, 4, 5):  # read alone (kept in the scan's carry): in the period and on the tail
+        alone = jit_run(model, tokens, reads=(f"layers.{i}.attention_norm_output", "layers.3.self_attn.attention_keys"))
+        row = model.blocks_for("layers.attention_norm_output").index(i)
+        np.testing.assert_allclose(alone[f"layers.{i}.attention_norm_output"], out["layers.attention_norm_output"][row],
+                                   rtol=1e-6, atol=1e-6)
     # a value stacked over the blocks a site is on: one row per DeltaNet block
     site = "layers.mlp_norm_output"
     factors = np.arange(1, 6, dtype=np.float32)
@@ -97,7 +102,7 @@ def test_every_value_float32(case, everything):
 
 
 def test_across_a_chunk_boundary(checkpoints):
-    """70 tokens: the chunked delta rule carries its state across the 64-token boundary; states equal the token loop."""
+    """70 tokens: the chunked delta rule carries its state across its chunk boundaries; states equal the token loop."""
     name, _, model, ref = checkpoints("rotary_grouped")
     tokens = tokens_for(model, seq=LONG, seed=1)
     reads = tuple(sorted(model.sites))

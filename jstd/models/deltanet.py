@@ -93,7 +93,7 @@ class GatedDeltaNet(eqx.Module):
     o: Float[Array, "heads value_dim embed"] = param("linear_heads", "value_dim", "embed")
     act: str = eqx.field(static=True)
     allow_neg_eigval: bool = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True, default=64)
+    chunk_size: int = eqx.field(static=True, default=32)  # the chunked kernel's fastest on CPU (docs/benchmarks.md)
 
     def __call__(self, x: Float[Array, "batch seq embed"], cos_sin, mask: Bool[Array, "batch seq"] | None, s, past=None):
         if mask is not None:
