@@ -137,7 +137,14 @@ def run(
 
     bases = frozenset(parse(r)[0] for r in reads) | ({"logits"} if "next_token_probs" in reads else frozenset())
     num_blocks = {s.name: len(model.blocks_for(s.name)) for s in SITES.values() if s.per_block}
-    tap = Tap(bases - {"next_token_probs"}, edits, model.config.num_layers, num_blocks)
+    L = model.config.num_layers
+    whole = {parse(r)[0] for r in reads if parse(r)[1] is None}
+    single = {}
+    for r in reads:
+        base, index = parse(r)
+        if index is not None and base not in whole:
+            single[base] = tuple(sorted(set(single.get(base, ())) | {index % L}))
+    tap = Tap(bases - {"next_token_probs"}, edits, L, num_blocks, single)
     logits, recorded = model.forward(tokens, tap, attention_mask) if context is None else \
         model.forward(tokens, tap, attention_mask, context)
     left = tap.unapplied()
@@ -151,8 +158,10 @@ def run(
             values[name] = jax.nn.softmax(logits[:, -1].astype(jnp.float32), axis=-1)
         elif index is None:
             values[name] = recorded[base]
+        elif isinstance(recorded[base], dict):  # kept for the blocks read alone
+            values[name] = recorded[base][index % L]
         else:
-            values[name] = recorded[base][model.blocks_for(base).index(index % model.config.num_layers)]
+            values[name] = recorded[base][model.blocks_for(base).index(index % L)]
     return Outputs(logits, values)
 
 

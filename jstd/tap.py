@@ -24,10 +24,15 @@ class Tap:
     edits: the edits, in the order they compose.
     num_blocks: for each block site, how many blocks compute it (stacked edit
         arrays are checked against it).
+    single: block sites read at some blocks only (``layers.5.X``, never the
+        whole stack): site -> those blocks. The stack keeps just these values
+        and returns them as ``{block: value}``.
     """
 
-    def __init__(self, reads: frozenset[str], edits: tuple[Edit, ...], num_layers: int, num_blocks: dict[str, int]):
+    def __init__(self, reads: frozenset[str], edits: tuple[Edit, ...], num_layers: int, num_blocks: dict[str, int],
+                 single: dict[str, tuple[int, ...]] | None = None):
         self.reads = frozenset(reads)
+        self.single = dict(single or {})
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.edits: dict[str, list[Edit]] = {}

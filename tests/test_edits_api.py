@@ -44,6 +44,27 @@ def test_reads_stacked_and_single(model, tokens):
         out["layers.mlp.mlp_output"]
 
 
+def test_single_block_reads_keep_only_their_block(model, tokens):
+    import functools
+
+    L = model.config.num_layers
+    stack = run(model, tokens, reads=("layers.layer_output", "layers.self_attn.attention_probabilities"))
+    for i in (0, 2, -1):
+        reads = (f"layers.{i}.layer_output", f"layers.{i}.self_attn.attention_probabilities")
+        out = run(model, tokens, reads=reads)
+        np.testing.assert_allclose(out[reads[0]], stack["layers.layer_output"][i], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(out[reads[1]], stack["layers.self_attn.attention_probabilities"][i], rtol=1e-6, atol=1e-6)
+
+    def output_bytes(reads):
+        compiled = jax.jit(functools.partial(jstd.run, reads=reads)).lower(model, tokens).compile()
+        return compiled.memory_analysis().output_size_in_bytes
+
+    one = output_bytes(("layers.1.self_attn.attention_probabilities",))
+    every = output_bytes(("layers.self_attn.attention_probabilities",))
+    probs = stack["layers.self_attn.attention_probabilities"][0].nbytes
+    assert every - one == (L - 1) * probs  # the other blocks' patterns are never kept
+
+
 def test_block_identities(model, tokens):
     out = run(model, tokens, reads=("layers.layer_input", "layers.self_attn.attention_output", "layers.mlp.mlp_output",
                                     "layers.layer_mid", "layers.layer_output", "token_embeddings",

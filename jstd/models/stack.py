@@ -133,13 +133,44 @@ def scan_period(
             records.append(block_records)
         return h, records
 
-    h, period_reads = jax.lax.scan(lambda h, j: run_period(h, j, p), h, jnp.arange(n))
+    # sites read at single blocks only ("layers.5.X"): kept in the scan's carry, not stacked over every block
+    single = getattr(tap, "single", {})
+
+    def keep(kept, records, j):
+        """Move the single-block reads out of ``records`` (blocks ``j * p + q``; ``j`` an int on the tail)
+        into ``kept``."""
+        kept = dict(kept)
+        for q, r in enumerate(records):
+            for site in [site for site in r if site in single]:
+                value = r.pop(site)
+                for i in single[site]:
+                    if isinstance(j, int) and i == j * p + q:
+                        kept[site, i] = value
+                    elif not isinstance(j, int) and i % p == q and i < n * p:
+                        kept[site, i] = jnp.where(j == i // p, value, kept[site, i])
+        return kept
+
+    kept = {}
+    if single:
+        shapes = jax.eval_shape(lambda h: run_period(h, 0, p)[1], h)
+        kept = {(site, i): jnp.zeros(shapes[i % p][site].shape, shapes[i % p][site].dtype)
+                for site, blocks in single.items() for i in blocks if i < n * p}
+
+    def body(carry, j):
+        h, kept = carry
+        h, records = run_period(h, j, p)
+        return (h, keep(kept, records, j)), records
+
+    (h, kept), period_reads = jax.lax.scan(body, (h, kept), jnp.arange(n))
     tail_reads = []
     if tail:
         h, tail_reads = run_period(h, n, tail)
+        kept = keep(kept, tail_reads, n)
 
     reads = {}
-    for site in {site for r in period_reads + tail_reads for site in r}:
+    for site, i in kept:
+        reads.setdefault(site, {})[i] = kept[site, i]
+    for site in {site for r in period_reads + tail_reads for site in r} - set(reads):
         parts = [r[site] for r in period_reads if site in r]  # each [n, ...], one per position in the period
         value = parts[0] if len(parts) == 1 else jnp.stack(parts, axis=1).reshape(n * len(parts), *parts[0].shape[1:])
         extra = [r[site] for r in tail_reads if site in r]
