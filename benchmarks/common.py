@@ -23,6 +23,20 @@ def timeit(fn, repeats: int = 7, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def time_interleaved(runs: dict, reps: int) -> dict:
+    """Median and best wall time of each callable, runs interleaved so that machine noise hits all alike."""
+    for f in runs.values():  # compile / warm up
+        f()
+        f()
+    times = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, f in runs.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
+
+
 def checkpoint(config, folder, seed=0):
     from reference.checkpoints import make_checkpoint
 

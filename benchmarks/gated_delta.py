@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from common import time_interleaved
 from jstd.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 B, H, D = 1, 8, 128
@@ -162,20 +162,6 @@ def torch_fn():
             return torch_chunk_gated_delta_rule(*a, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
     return run, torch
-
-
-def time_interleaved(runs: dict, reps: int) -> dict:
-    """Median wall time of each callable, runs interleaved so that machine noise hits all alike."""
-    for f in runs.values():  # compile / warm up
-        f()
-        f()
-    times = {name: [] for name in runs}
-    for _ in range(reps):
-        for name, f in runs.items():
-            t0 = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t0)
-    return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
 
 
 def memory(T, return_states=False):

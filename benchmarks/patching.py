@@ -169,7 +169,7 @@ def main():
 
     mem = {}
     if jax.default_backend() == "cpu" and not args.no_memory:
-        mem = {(b, l): peak_memory(folder, b << 20, l) for b in (64, 256) for l in (2, 8)}
+        mem = {(b, l): peak_memory(folder, b << 20, l) for b in (32, 64, 256) for l in (2, 8)}
 
     some = f"{len(entries)} of 512 entries run with nnsight, its time scaled to 512" if len(entries) < 512 else "all 512 entries run with nnsight"
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} ({args.device}, "
