@@ -110,8 +110,7 @@ def resumed_sweep(model, clean_values, corrupt, site: str, metric, layers, posit
     ``bytes_per_row``); ``progress`` wraps the iterable of blocks.
     """
     seq = corrupt.shape[1]
-    stream_site = "layers.layer_output" if site == "layers.layer_output" else "layers.layer_input"
-    corrupt_out = read(model, corrupt, context_reads(model) + (stream_site, "final_norm_output"))
+    corrupt_out = read(model, corrupt, context_reads(model) + (_stream_site(site), "final_norm_output"))
 
     entry_p = np.repeat(np.asarray(positions, np.int32), len(heads))
     entry_h = np.tile(np.asarray(heads, np.int32), len(positions))
@@ -129,7 +128,7 @@ def resumed_sweep(model, clean_values, corrupt, site: str, metric, layers, posit
     padded = Rows(*(np.concatenate([a, np.repeat(a[-1:], pad, 0)]) for a in rows))
 
     out = []
-    for li, layer in enumerate(progress(layers)):
+    for layer in progress(layers):
         per_layer = []
         for c in range(chunks):
             per_layer.append(np.asarray(chunk(model, corrupt, corrupt_out, clean_values, metric,
@@ -147,8 +146,7 @@ def resumed_sweep(model, clean_values, corrupt, site: str, metric, layers, posit
 def _chunk(model, corrupt, corrupt_out, clean_values, metric, rows: Rows, layer, site: str, split_heads: bool):
     """The metric of every segment of a chunk of rows at block ``layer``: ``[rows, slots, *metric]``."""
     seq = corrupt.shape[1]
-    stream_site = "layers.layer_output" if site == "layers.layer_output" else "layers.layer_input"
-    corrupt_stream = corrupt_out[stream_site]
+    corrupt_stream = corrupt_out[_stream_site(site)]
     clean_value = block_entry(model, site, clean_values, layer)
     normed_before = corrupt_out["final_norm_output"]
 
@@ -160,7 +158,7 @@ def _chunk(model, corrupt, corrupt_out, clean_values, metric, rows: Rows, layer,
             stream = jnp.where(first[None, :, None], clean_value[:, positions], corrupt_stream[layer][:, positions])
             block = layer + 1 if site == "layers.layer_output" else layer
         else:
-            stream, block = corrupt_out["layers.layer_input"][layer][:, positions], layer
+            stream, block = corrupt_stream[layer][:, positions], layer
             edits = (Set(site, _rows_of(site, clean_value, positions), layer=layer,
                          where=_patch_mask(site, clean_value.shape, first, heads if split_heads else None)),)
         context = continuing(model, corrupt_out, jnp.broadcast_to(positions, tokens.shape), block=block, stream=stream)
@@ -169,6 +167,12 @@ def _chunk(model, corrupt, corrupt_out, clean_values, metric, rows: Rows, layer,
             starts, offsets)
 
     return jax.vmap(one)(*rows)
+
+
+def _stream_site(site: str) -> str:
+    """The corrupted run's stream a resumed run starts from: ``layer_output`` for patches there (the run
+    starts at the next block), ``layer_input`` of the patched block otherwise."""
+    return "layers.layer_output" if site == "layers.layer_output" else "layers.layer_input"
 
 
 def _rows_of(site: str, value, positions):
