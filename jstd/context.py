@@ -28,6 +28,10 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 from jstd.kernels.attention import positions_and_mask
 
 
+KEYS, VALUES = "layers.self_attn.attention_keys", "layers.self_attn.attention_values"
+STATES, MIXER_INPUTS = "layers.linear_attn.states", "layers.attention_norm_output"
+
+
 class Context(eqx.Module):
     """What a run's tokens continue from. Every field but ``positions`` is optional.
 
@@ -57,6 +61,40 @@ class Context(eqx.Module):
     block: Int[ArrayLike, ""] | None = None
     stream: Float[Array, "batch seq embed"] | None = None
 
+    @staticmethod
+    def sites_for(model) -> tuple[str, ...]:
+        """The sites a run reads so that ``Context.continuing`` can build a context from its outputs."""
+        reads = (KEYS, VALUES) if model.layers_with("self_attn") else ()
+        return reads + ((STATES, MIXER_INPUTS) if model.layers_with("linear_attn") else ())
+
+    @classmethod
+    def continuing(cls, model, outputs, positions: Int[ArrayLike, "batch seq"], *, block=None, stream=None) -> "Context":
+        """The context of tokens at ``positions`` continuing the run whose ``outputs`` read ``sites_for(model)``.
+
+        The keys and values are the whole run's (each segment sees those before
+        its start). On models with DeltaNet blocks each row is one segment
+        starting at ``positions[:, 0]``: the states are the run's after the
+        position before it (zeros at 0), the convolution inputs those of the
+        positions before it (zeros before 0). Works with traced ``positions``
+        (one ``vmap`` over starts).
+        """
+        positions = jnp.asarray(positions)
+        keys = values = states = conv = None
+        if model.layers_with("self_attn"):
+            keys, values = outputs[KEYS], outputs[VALUES]
+        linear = model.layers_with("linear_attn")
+        if linear:
+            start = positions[:, 0]
+            batch = jnp.arange(positions.shape[0])
+            every = outputs[STATES]  # [blocks, batch, seq, heads, key_dim, value_dim]
+            states = jnp.where((start > 0)[None, :, None, None, None], every[:, batch, jnp.maximum(start - 1, 0)], 0.0)
+            rows = [model.blocks_for(MIXER_INPUTS).index(i) for i in linear]
+            inputs = outputs[MIXER_INPUTS][jnp.asarray(rows)]  # [blocks, batch, seq, embed]
+            before = start[:, None] - (model.conv_width - 1) + jnp.arange(model.conv_width - 1)  # [batch, width - 1]
+            conv = inputs[:, batch[:, None], jnp.maximum(before, 0)]
+            conv = jnp.where((before >= 0)[None, :, :, None], conv, 0.0).astype(inputs.dtype)
+        return cls(positions, keys, values, states, conv, block, stream)
+
     def segments(self) -> tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]]:
         """Each token's segment (numbered along its row) and that segment's start position."""
         p = jnp.asarray(self.positions)
@@ -83,40 +121,3 @@ def begin(tokens: Int[Array, "batch seq"], attention_mask, context: Context | No
     cached = 0 if context.keys is None else context.keys.shape[3]
     h = embed() if context.stream is None else context.stream
     return jnp.asarray(context.positions), context.attention_mask(cached), h
-
-
-KEYS, VALUES = "layers.self_attn.attention_keys", "layers.self_attn.attention_values"
-STATES, MIXER_INPUTS = "layers.linear_attn.states", "layers.attention_norm_output"
-
-
-def context_reads(model) -> tuple[str, ...]:
-    """The sites a run reads so that ``continuing`` can build a context from its outputs."""
-    reads = (KEYS, VALUES) if model.layers_with("self_attn") else ()
-    return reads + ((STATES, MIXER_INPUTS) if model.layers_with("linear_attn") else ())
-
-
-def continuing(model, outputs, positions: Int[ArrayLike, "batch seq"], *, block=None, stream=None) -> Context:
-    """The context of tokens at ``positions`` continuing the run whose ``outputs`` read ``context_reads(model)``.
-
-    The keys and values are the whole run's (each segment sees those before its
-    start). On models with DeltaNet blocks each row is one segment starting at
-    ``positions[:, 0]``: the states are the run's after the position before it
-    (zeros at 0), the convolution inputs those of the positions before it
-    (zeros before 0). Works with traced ``positions`` (one ``vmap`` over starts).
-    """
-    positions = jnp.asarray(positions)
-    keys = values = states = conv = None
-    if model.layers_with("self_attn"):
-        keys, values = outputs[KEYS], outputs[VALUES]
-    linear = model.layers_with("linear_attn")
-    if linear:
-        start = positions[:, 0]
-        batch = jnp.arange(positions.shape[0])
-        every = outputs[STATES]  # [blocks, batch, seq, heads, key_dim, value_dim]
-        states = jnp.where((start > 0)[None, :, None, None, None], every[:, batch, jnp.maximum(start - 1, 0)], 0.0)
-        rows = [model.blocks_for(MIXER_INPUTS).index(i) for i in linear]
-        inputs = outputs[MIXER_INPUTS][jnp.asarray(rows)]  # [blocks, batch, seq, embed]
-        before = start[:, None] - (model.conv_width - 1) + jnp.arange(model.conv_width - 1)  # [batch, width - 1]
-        conv = inputs[:, batch[:, None], jnp.maximum(before, 0)]
-        conv = jnp.where((before >= 0)[None, :, :, None], conv, 0.0).astype(inputs.dtype)
-    return Context(positions, keys, values, states, conv, block, stream)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import jstd
-from jstd.context import context_reads, continuing
 from jstd.interventions.reading import read as jitted_run
 from olmo_hybrid_cases import config as hybrid_config, make_checkpoint as make_hybrid_checkpoint
 
+continuing, sites_for = jstd.Context.continuing, jstd.Context.sites_for
 ASSET = Path(jstd.__file__).parent / "assets" / "tiny-llama"
 SEQ = 11
 SITES = ("layers.layer_output", "layers.self_attn.attention_keys", "layers.mlp.mlp_neurons")
@@ -58,7 +58,7 @@ def suffix_positions(start, batch=2):
 def test_a_prompt_continued_from_its_prefix_cache_equals_the_whole_run(llama, tokens):
     full = read(llama, tokens, SITES)
     for start in (1, 6, SEQ - 1):
-        prefix = read(llama, tokens[:, :start], context_reads(llama))
+        prefix = read(llama, tokens[:, :start], sites_for(llama))
         rest = read(llama, tokens[:, start:], SITES, context=continuing(llama, prefix, suffix_positions(start)))
         close(rest.logits, full.logits[:, start:])
         close(rest["layers.layer_output"], full["layers.layer_output"][:, :, start:])
@@ -67,7 +67,7 @@ def test_a_prompt_continued_from_its_prefix_cache_equals_the_whole_run(llama, to
 
 
 def test_one_cache_serves_every_start_and_packed_segments(llama, tokens):
-    full = read(llama, tokens, context_reads(llama))
+    full = read(llama, tokens, sites_for(llama))
     for start in (0, 4, SEQ - 1):  # the whole run's cache: entries at or after the start are ignored
         rest = read(llama, tokens[:, start:], context=continuing(llama, full, suffix_positions(start)))
         close(rest.logits, full.logits[:, start:])
@@ -79,7 +79,7 @@ def test_one_cache_serves_every_start_and_packed_segments(llama, tokens):
 
 
 def test_a_run_resumed_at_any_block_equals_the_whole_run(llama, tokens):
-    full = read(llama, tokens, context_reads(llama) + ("layers.layer_input", "layers.layer_output"))
+    full = read(llama, tokens, sites_for(llama) + ("layers.layer_input", "layers.layer_output"))
     start, L = 4, llama.config.num_layers
     streams = list(full["layers.layer_input"]) + [full["layers.layer_output"][-1]]
     for block in range(L + 1):
@@ -94,7 +94,7 @@ def test_a_run_resumed_at_any_block_equals_the_whole_run(llama, tokens):
 
 def test_edits_on_a_continued_run_equal_the_same_edits_on_the_whole_run(llama, tokens):
     start, layer = 5, 2
-    full = read(llama, tokens, context_reads(llama))
+    full = read(llama, tokens, sites_for(llama))
     value = jnp.full((2, 64), 0.25)
     whole = jstd.Add("layers.layer_mid", value[:, None], layer=layer, positions=7)
     part = jstd.Add("layers.layer_mid", value[:, None], layer=layer, positions=7 - start)  # the run's own seq axis
@@ -106,7 +106,7 @@ def test_edits_on_a_continued_run_equal_the_same_edits_on_the_whole_run(llama, t
 
 def test_hybrid_continues_states_and_convolutions(hybrid):
     tokens = np.random.default_rng(1).integers(0, hybrid.config.vocab_size, (2, SEQ))
-    reads = context_reads(hybrid) + ("layers.layer_input", "layers.linear_attn.state_input", "layers.linear_attn.attention_queries")
+    reads = sites_for(hybrid) + ("layers.layer_input", "layers.linear_attn.state_input", "layers.linear_attn.attention_queries")
     full = read(hybrid, tokens, reads)
     for start in (0, 1, 2, 7):  # before, at and after the convolutions' width
         rest = read(hybrid, tokens[:, start:], reads[-2:], context=continuing(hybrid, full, suffix_positions(start)))
@@ -121,7 +121,7 @@ def test_hybrid_continues_states_and_convolutions(hybrid):
 
 
 def test_contexts_vmap_over_starts_and_block(llama, tokens):
-    full = read(llama, tokens, context_reads(llama) + ("layers.layer_input",))
+    full = read(llama, tokens, sites_for(llama) + ("layers.layer_input",))
     start = 3
 
     def resumed(block):
@@ -134,7 +134,7 @@ def test_contexts_vmap_over_starts_and_block(llama, tokens):
 
 
 def test_context_errors_name_the_problem(llama, tokens, hybrid):
-    full = read(llama, tokens, context_reads(llama) + ("layers.layer_input",))
+    full = read(llama, tokens, sites_for(llama) + ("layers.layer_input",))
     good = continuing(llama, full, suffix_positions(4))
     rest = tokens[:, 4:]
     with pytest.raises(ValueError, match="takes no attention_mask"):
@@ -152,7 +152,7 @@ def test_context_errors_name_the_problem(llama, tokens, hybrid):
     with pytest.raises(jstd.SiteError, match="token_embeddings is not computed"):
         jstd.run(llama, rest, reads=("token_embeddings",),
                  context=jstd.Context(good.positions, block=1, stream=jnp.zeros((2, 7, 64))))
-    hfull = read(hybrid, tokens % hybrid.config.vocab_size, context_reads(hybrid))
+    hfull = read(hybrid, tokens % hybrid.config.vocab_size, sites_for(hybrid))
     hgood = continuing(hybrid, hfull, suffix_positions(4))
     with pytest.raises(ValueError, match="needs both the attention cache"):
         jstd.run(hybrid, rest % hybrid.config.vocab_size, context=jstd.Context(hgood.positions, hgood.keys, hgood.values))

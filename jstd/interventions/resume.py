@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jstd.context import context_reads, continuing
+from jstd.context import Context
 from jstd.interventions.chunking import fit
 from jstd.interventions.edits import Set, site_axes
 from jstd.interventions.metrics import PositionMetric
@@ -110,14 +110,14 @@ def resumed_sweep(model, clean_values, corrupt, site: str, metric, layers, posit
     ``bytes_per_row``); ``progress`` wraps the iterable of blocks.
     """
     seq = corrupt.shape[1]
-    corrupt_out = read(model, corrupt, context_reads(model) + (_stream_site(site), "final_norm_output"))
+    corrupt_out = read(model, corrupt, Context.sites_for(model) + (_stream_site(site), "final_norm_output"))
 
     entry_p = np.repeat(np.asarray(positions, np.int32), len(heads))
     entry_h = np.tile(np.asarray(heads, np.int32), len(positions))
     entry_p = np.where(entry_p < 0, entry_p + seq, entry_p)
     rows = pack(entry_p, entry_h, seq, pair=not model.layers_with("linear_attn"))
     n_rows, length = rows.positions.shape
-    keys = length + (corrupt_out[context_reads(model)[0]].shape[3] if model.layers_with("self_attn") else 0)
+    keys = length + (corrupt_out[Context.sites_for(model)[0]].shape[3] if model.layers_with("self_attn") else 0)
     chunk_rows = lambda rows, start, size: Rows(*(jnp.asarray(a[start:start + size]) for a in rows))
     lower = lambda size: _chunk.lower(model, corrupt, corrupt_out, clean_values, metric, chunk_rows(rows, 0, size),
                                       jnp.asarray(layers[0], jnp.int32), site, split_heads)
@@ -161,7 +161,7 @@ def _chunk(model, corrupt, corrupt_out, clean_values, metric, rows: Rows, layer,
             stream, block = corrupt_stream[layer][:, positions], layer
             edits = (Set(site, _rows_of(site, clean_value, positions), layer=layer,
                          where=_patch_mask(site, clean_value.shape, first, heads if split_heads else None)),)
-        context = continuing(model, corrupt_out, jnp.broadcast_to(positions, tokens.shape), block=block, stream=stream)
+        context = Context.continuing(model, corrupt_out, jnp.broadcast_to(positions, tokens.shape), block=block, stream=stream)
         normed = run(model, tokens, edits, reads=("final_norm_output",), context=context)["final_norm_output"]
         return jax.vmap(lambda start, offset: _segment_metric(model, metric, normed, normed_before, start, offset, seq))(
             starts, offsets)
