@@ -254,3 +254,26 @@ def test_other_families_refuse_the_raw_outputs():
     llama = jstd.load(Path(jstd.__file__).parent / "assets" / "tiny-llama")
     with pytest.raises(jstd.SiteError, match="specific to the hyperclovax family"):
         jstd.run(llama, np.zeros((1, 3), np.int64), reads=("layers.mlp.mlp_raw_output",))
+
+
+def test_a_continued_or_resumed_run_keeps_the_multipliers(residual_case):
+    """jstd.Context on HyperCLOVA X: a suffix continuing its prefix's cache (the embedding multiplier applies
+    to its tokens), and a run resumed at block 1 from the stream (no multiplier: the stream is a block's
+    input), both equal the whole run; so does a patching sweep, which resumes runs, against single patches."""
+    _, _, model, _ = residual_case
+    tokens = tokens_for(model, seed=5)
+    start = 4
+    full = jit_run(model, tokens, reads=jstd.Context.sites_for(model) + ("layers.layer_input",))
+    positions = np.broadcast_to(np.arange(start, SEQ), (tokens.shape[0], SEQ - start))
+    rest = jstd.run(model, tokens[:, start:], context=jstd.Context.continuing(model, full, positions))
+    assert_close(rest.logits, full.logits[:, start:], name="continued")
+    context = jstd.Context.continuing(model, full, positions, block=1, stream=full["layers.layer_input"][1][:, start:])
+    assert_close(jstd.run(model, tokens[:, start:], context=context).logits, full.logits[:, start:], name="resumed")
+    corrupt = tokens.copy()
+    corrupt[:, 2] = (tokens[:, 2] + 1) % model.config.vocab_size
+    metric = jstd.logit_difference(3, 4)
+    site = "layers.mlp.mlp_raw_output"
+    grid = jstd.patch_sweep(model, tokens, corrupt, site, metric, positions=[1, 2, 6], progress=False)
+    for layer, j, p in [(0, 1, 2), (1, 2, 6), (1, 0, 1)]:
+        one = jstd.patch(model, tokens, corrupt, site, layer=layer, positions=p, metric=metric)
+        np.testing.assert_allclose(grid[layer, j], one, rtol=1e-4, atol=1e-4 * max(1.0, abs(float(one))))
