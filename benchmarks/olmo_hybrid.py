@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import common
-from common import checkpoint
+from common import checkpoint, time_interleaved
 
 SIZE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=8, vocab_size=8192,
             max_position_embeddings=1024, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1,
@@ -40,20 +38,6 @@ def compile_seconds(layers: int) -> float:
     from jstd.models.olmo_hybrid import OlmoHybrid
 
     return common.compile_seconds(OlmoHybrid, olmo_config(layers), BATCH, SEQ)
-
-
-def interleaved(runs: dict, repeats: int) -> dict:
-    """Median wall time of each callable, runs interleaved so that machine noise hits all alike."""
-    for f in runs.values():
-        f()
-        f()
-    times = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, f in runs.items():
-            t = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main():
@@ -82,11 +66,11 @@ def main():
     model = jstd.load(folder)
     logits_only = jax.jit(jstd.run)
     reads = jax.jit(jstd.run, static_argnames="reads")
-    t = interleaved({
+    t = {name: median for name, (median, _) in time_interleaved({
         "torch": torch_forward,
         "jstd": lambda: logits_only(model, tokens).logits.block_until_ready(),
         "reads": lambda: jax.block_until_ready(reads(model, tokens, reads=STATES).values),
-    }, args.repeats)
+    }, args.repeats).items()}
     with torch.inference_mode():
         want = ref(input_ids=ids).logits.numpy()
     got = np.asarray(logits_only(model, tokens).logits)
