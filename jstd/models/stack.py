@@ -82,6 +82,9 @@ def scan_period(
         Blocks before it pass ``h`` through (``lax.cond``; under a ``vmap``
         over ``first`` both branches run) and their reads are zeros.
 
+    The reads: site -> its value stacked over ``blocks_for(site)``; for a site
+    read at single blocks only (``tap.single``), site -> ``{block: value}``.
+
     Raises ValueError when a stack's length does not match the kinds, or when a
     site's blocks are not all the blocks of some kinds.
     """
@@ -134,7 +137,7 @@ def scan_period(
         return h, records
 
     # sites read at single blocks only ("layers.5.X"): kept in the scan's carry, not stacked over every block
-    single = getattr(tap, "single", {})
+    single = tap.single
 
     def keep(kept, records, j):
         """Move the single-block reads out of ``records`` (blocks ``j * p + q``; ``j`` an int on the tail)
