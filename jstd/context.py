@@ -16,6 +16,11 @@ are ignored, so the keys and values of one whole run serve every ``start``,
 and one row may pack several segments (a new segment begins wherever a position
 is not the previous one plus one). DeltaNet blocks carry one state per row, so
 on models that have them each row is one segment.
+
+Padding. With ``mask`` (the continued run's ``attention_mask`` over every
+cached position), positions are indices into that run's sequence: padded
+entries are never attended to, and a token's rotary position counts the real
+tokens before it, as in the padded run itself.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class Context(eqx.Module):
     conv_inputs: each DeltaNet block's mixer input (``attention_norm_output``)
         at the ``conv_width - 1`` positions before the row's first one
         ``[linear blocks, batch, conv_width - 1, embed]`` (zeros before position 0).
+    mask: which cached positions hold real tokens ``[batch, cached]`` (the
+        continued run's ``attention_mask``; None: all of them).
     block, stream: start at block ``block`` (an int or a traced int) whose
         ``layer_input`` is ``stream`` ``[batch, seq, embed]``; the embedding and
         the blocks before it do not run (their values read as zeros and edits
@@ -60,6 +67,7 @@ class Context(eqx.Module):
     conv_inputs: Float[Array, "blocks batch width embed"] | None = None
     block: Int[ArrayLike, ""] | None = None
     stream: Float[Array, "batch seq embed"] | None = None
+    mask: Bool[Array, "batch cached"] | None = None
 
     @staticmethod
     def sites_for(model) -> tuple[str, ...]:
@@ -68,7 +76,8 @@ class Context(eqx.Module):
         return reads + ((STATES, MIXER_INPUTS) if model.layers_with("linear_attn") else ())
 
     @classmethod
-    def continuing(cls, model, outputs, positions: Int[ArrayLike, "batch seq"], *, block=None, stream=None) -> "Context":
+    def continuing(cls, model, outputs, positions: Int[ArrayLike, "batch seq"], *, block=None, stream=None,
+                   mask=None) -> "Context":
         """The context of tokens at ``positions`` continuing the run whose ``outputs`` read ``sites_for(model)``.
 
         The keys and values are the whole run's (each segment sees those before
@@ -76,7 +85,8 @@ class Context(eqx.Module):
         starting at ``positions[:, 0]``: the states are the run's after the
         position before it (zeros at 0), the convolution inputs those of the
         positions before it (zeros before 0). Works with traced ``positions``
-        (one ``vmap`` over starts).
+        (one ``vmap`` over starts). ``mask``: the run's ``attention_mask`` when it
+        was padded.
         """
         positions = jnp.asarray(positions)
         keys = values = states = conv = None
@@ -92,8 +102,12 @@ class Context(eqx.Module):
             inputs = outputs[MIXER_INPUTS][jnp.asarray(rows)]  # [blocks, batch, seq, embed]
             before = start[:, None] - (model.conv_width - 1) + jnp.arange(model.conv_width - 1)  # [batch, width - 1]
             conv = inputs[:, batch[:, None], jnp.maximum(before, 0)]
-            conv = jnp.where((before >= 0)[None, :, :, None], conv, 0.0).astype(inputs.dtype)
-        return cls(positions, keys, values, states, conv, block, stream)
+            real = before >= 0
+            if mask is not None:  # the mixer zeroes its input at padding
+                real = real & jnp.asarray(mask, bool)[batch[:, None], jnp.maximum(before, 0)]
+            conv = jnp.where(real[None, :, :, None], conv, 0.0).astype(inputs.dtype)
+        return cls(positions, keys, values, states, conv, block, stream,
+                   None if mask is None else jnp.asarray(mask, bool))
 
     def segments(self) -> tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]]:
         """Each token's segment (numbered along its row) and that segment's start position."""
@@ -103,12 +117,30 @@ class Context(eqx.Module):
         first = jax.lax.cummax(jnp.where(new, index, 0), axis=1)
         return jnp.cumsum(new, axis=1), p - (index - first)
 
+    def real(self) -> Bool[Array, "batch seq"] | None:
+        """Whether each of the run's tokens is a real token (None without a ``mask``: all are)."""
+        if self.mask is None:
+            return None
+        return jnp.take_along_axis(self.mask, jnp.asarray(self.positions), axis=1)
+
+    def rotary_positions(self) -> Int[Array, "batch seq"]:
+        """Each token's rotary position: its position, or with a ``mask`` the count of real tokens before it
+        (1 on padding, as ``kernels.attention.positions_and_mask``)."""
+        p = jnp.asarray(self.positions)
+        if self.mask is None:
+            return p
+        before = jnp.take_along_axis(jnp.cumsum(self.mask, axis=1) - 1, p, axis=1)
+        return jnp.where(self.real(), before, 1)
+
     def attention_mask(self, cached: int) -> Bool[Array, "batch 1 seq keys"]:
         """True where a token attends: over ``cached`` cached positions, then the run's own tokens."""
         p = jnp.asarray(self.positions)
         segment, start = self.segments()
         seen = jnp.arange(cached)[None, None, :] < start[:, :, None]
         own = (segment[:, :, None] == segment[:, None, :]) & (p[:, None, :] <= p[:, :, None])
+        if self.mask is not None:
+            seen = seen & self.mask[:, None, :cached]
+            own = own & self.real()[:, None, :]
         return jnp.concatenate([seen, own], axis=-1)[:, None]
 
 def begin(tokens: Int[Array, "batch seq"], attention_mask, context: Context | None, embed):
@@ -120,4 +152,4 @@ def begin(tokens: Int[Array, "batch seq"], attention_mask, context: Context | No
         return positions, mask, embed()
     cached = 0 if context.keys is None else context.keys.shape[3]
     h = embed() if context.stream is None else context.stream
-    return jnp.asarray(context.positions), context.attention_mask(cached), h
+    return context.rotary_positions(), context.attention_mask(cached), h

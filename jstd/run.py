@@ -170,7 +170,8 @@ def check_context(model: Family, context: Context, shape: tuple[int, int], atten
     if not isinstance(context, Context):
         raise TypeError(f"context must be a jstd.Context, got {type(context).__name__}")
     if attention_mask is not None:
-        raise ValueError("a run with a context takes no attention_mask: give each token's position in context.positions")
+        raise ValueError("a run with a context takes no attention_mask: the padding of the run it continues "
+                         "goes in context.mask, each token's position in context.positions")
     batch, seq = shape
     c = model.config
     if np.shape(context.positions) != shape:
@@ -191,6 +192,11 @@ def check_context(model: Family, context: Context, shape: tuple[int, int], atten
         if got != want:
             raise ValueError(f"context.{name} has shape {got}; this model and batch need {want} "
                              f"([blocks with the host, batch, ...]; see jstd.Context)")
+    if context.mask is not None:
+        cached = np.shape(context.keys)[3] if context.keys is not None else np.shape(context.mask)[1]
+        if np.shape(context.mask) != (batch, cached):
+            raise ValueError(f"context.mask has shape {np.shape(context.mask)}; it must be {(batch, cached)}: "
+                             "the padding of every cached position of each row")
     if attention and linear and (context.keys is None) != (context.states is None):
         raise ValueError("this hybrid model needs both the attention cache (keys, values) and the DeltaNet "
                          "cache (states, conv_inputs) in its context, or neither")

@@ -120,6 +120,34 @@ def test_hybrid_continues_states_and_convolutions(hybrid):
             close(read(hybrid, tokens[:, start:], context=context).logits, full.logits[:, start:])
 
 
+def padded(tokens, pad):
+    """Row 1 left-padded by ``pad`` tokens (id 0): (tokens, attention_mask)."""
+    out, mask = tokens.copy(), np.ones_like(tokens)
+    out[1, :pad], mask[1, :pad] = 0, 0
+    out[1, pad:] = tokens[1, :SEQ - pad]
+    return out, mask
+
+
+def test_a_padded_run_continues_with_its_mask(llama, tokens, hybrid):
+    for model in (llama, hybrid):
+        toks, mask = padded(tokens % model.config.vocab_size, 3)
+        full = jstd.run(model, toks, attention_mask=mask,
+                        reads=sites_for(model) + ("layers.layer_input", "layers.layer_output"))
+        for start in (2, 3, 6):  # inside the padding, at the first real token, after it
+            positions = suffix_positions(start)
+            rest = jstd.run(model, toks[:, start:], reads=("layers.layer_output",),
+                            context=continuing(model, full, positions, mask=mask))
+            real = mask[:, start:].astype(bool)
+            close(np.asarray(rest.logits)[real], np.asarray(full.logits[:, start:])[real])
+            close(np.asarray(rest["layers.layer_output"])[:, real], np.asarray(full["layers.layer_output"][:, :, start:])[:, real])
+            context = continuing(model, full, positions, block=1, stream=full["layers.layer_input"][1][:, start:], mask=mask)
+            resumed = jstd.run(model, toks[:, start:], context=context)
+            close(np.asarray(resumed.logits)[real], np.asarray(full.logits[:, start:])[real])
+    with pytest.raises(ValueError, match="context.mask has shape"):
+        jstd.run(llama, tokens[:, 4:], context=continuing(llama, jstd.run(llama, tokens, reads=sites_for(llama)),
+                                                          suffix_positions(4), mask=np.ones((2, 3), bool)))
+
+
 def test_contexts_vmap_over_starts_and_block(llama, tokens):
     full = read(llama, tokens, sites_for(llama) + ("layers.layer_input",))
     start = 3

@@ -303,16 +303,25 @@ def test_attribution_patching_is_gradient_times_difference(model, pair):
     ("layers.layer_input", None), ("layers.layer_mid", None), ("layers.self_attn.attention_keys", None),
     ("layers.self_attn.attention_queries", None), ("layers.mlp.mlp_neurons", None),
 ])
-def test_resumed_sweeps_equal_recomputed_sweeps(model, pair, site, heads):
-    """Without padding both paths run: a ones attention_mask makes the sweep recompute every block and position."""
+def test_resumed_sweeps_equal_recomputed_sweeps(model, pair, site, heads, monkeypatch):
+    """The resumed sweep against the sweep that recomputes every block and position, unpadded and left-padded."""
+    from jstd.interventions import patching
+
     clean, corrupt = pair
-    every_position = lambda logits: jax.nn.log_softmax(logits, -1)[:, :, 7].mean(0)  # reads every position
+    mask = np.ones_like(clean)
+    mask[1, :2] = 0  # row 1 is left-padded: its prompt starts at position 2
+    # reads every position where both rows are real (values at padding are unspecified)
+    every_position = lambda logits: jax.nn.log_softmax(logits[:, 2:], -1)[:, :, 7].mean(0)
     for metric in (jstd.target_probability(11), every_position):
-        resumed = jstd.patch_sweep(model, clean, corrupt, site, metric, positions=[0, 2, 3, 6], progress=False)
-        recomputed = jstd.patch_sweep(model, clean, corrupt, site, metric, positions=[0, 2, 3, 6], progress=False,
-                                      attention_mask=np.ones_like(clean))
-        assert resumed.shape == recomputed.shape
-        close(resumed, recomputed, 1e-4)
+        for attention_mask in (None, mask):
+            sweep = lambda: jstd.patch_sweep(model, clean, corrupt, site, metric, positions=[0, 2, 3, 6],
+                                             attention_mask=attention_mask, progress=False)
+            resumed = sweep()
+            with monkeypatch.context() as m:
+                m.setattr(patching, "resumable", lambda site: False)
+                recomputed = sweep()
+            assert resumed.shape == recomputed.shape
+            close(resumed, recomputed, 1e-4)
 
 
 def test_hybrid_sweep_resumes_states(tmp_path_factory):
@@ -331,6 +340,17 @@ def test_hybrid_sweep_resumes_states(tmp_path_factory):
             for pos in (0, 1, 4, SEQ - 1):
                 close(grid[2 * i, pos], jstd.patch(hybrid, clean, corrupt, site, layer=layer, positions=pos, metric=metric),
                       1e-4)
+    # a left-padded batch: states and convolutions start from the padded run's
+    clean2, corrupt2 = np.concatenate([clean, clean]), np.concatenate([corrupt, corrupt])
+    mask = np.ones_like(clean2)
+    clean2[1, 2:], corrupt2[1, 2:], mask[1, :2] = clean[0, :-2], corrupt[0, :-2], 0
+    site = "layers.linear_attn.attention_values"
+    grid = jstd.patch_sweep(hybrid, clean2, corrupt2, site, metric, positions=[2, 3, 6], heads=False,
+                            attention_mask=mask, progress=False)
+    for i, layer in [(0, 0), (4, 5)]:
+        for j, pos in enumerate([2, 3, 6]):
+            close(grid[i, j], jstd.patch(hybrid, clean2, corrupt2, site, layer=layer, positions=pos, metric=metric,
+                                         attention_mask=mask), 1e-4)
 
 
 def test_chunks_are_fitted_by_the_compiled_working_memory():

@@ -13,7 +13,7 @@ sweeps at sites with a ``seq`` axis resume the corrupted run
 (``jstd.interventions.resume``): each patched run starts at block ``l`` and
 computes the positions from ``p`` on against the corrupted run's cached keys,
 values and states. Other sites (attention patterns, states, prompt-wide
-values) and padded batches recompute every block and position.
+values) recompute every block and position.
 """
 
 from __future__ import annotations
@@ -158,8 +158,8 @@ def patch_sweep(
     grid_p = next(columns) if pos_axis is not None else zeros
     grid_h = next(columns) if split_heads else zeros
 
-    if resumable(model, site, attention_mask):
-        out = resumed_sweep(model, clean_values, corrupt, site, metric, axes[0], axes[1],
+    if resumable(site):
+        out = resumed_sweep(model, clean_values, corrupt, attention_mask, site, metric, axes[0], axes[1],
                             axes[2] if split_heads else [0], split_heads, memory_budget, chunk_size,
                             lambda blocks: _progress(blocks, progress, f"patching {site}"))
         return jnp.asarray(out.reshape(shape + out.shape[2:]))

@@ -35,11 +35,10 @@ from jstd.sites import SITES
 STREAM_SITES = ("layers.layer_input", "layers.layer_output")
 
 
-def resumable(model, site: str, attention_mask) -> bool:
-    """Whether a sweep at ``site`` can resume the corrupted run: a block site with a ``seq`` axis, no padding."""
+def resumable(site: str) -> bool:
+    """Whether a sweep at ``site`` can resume the corrupted run: a block site with a ``seq`` axis."""
     pos_axis, _ = site_axes(site)
-    return (attention_mask is None and SITES[site].per_block and pos_axis is not None
-            and SITES[site].layout[pos_axis] == "seq")
+    return SITES[site].per_block and pos_axis is not None and SITES[site].layout[pos_axis] == "seq"
 
 
 class Rows(NamedTuple):
@@ -99,8 +98,8 @@ def bytes_per_row(model, batch: int, length: int, keys: int) -> int:
     return item * batch * length * per_token
 
 
-def resumed_sweep(model, clean_values, corrupt, site: str, metric, layers, positions, heads, split_heads: bool,
-                  memory_budget: int, chunk_size: int | None, progress) -> np.ndarray:
+def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metric, layers, positions, heads,
+                  split_heads: bool, memory_budget: int, chunk_size: int | None, progress) -> np.ndarray:
     """The sweep of ``patch_sweep`` through resumed runs: ``[layers, positions x heads, *metric]``.
 
     ``clean_values``: the clean run's value of ``site`` (stacked over blocks);
@@ -110,7 +109,8 @@ def resumed_sweep(model, clean_values, corrupt, site: str, metric, layers, posit
     ``bytes_per_row``); ``progress`` wraps the iterable of blocks.
     """
     seq = corrupt.shape[1]
-    corrupt_out = read(model, corrupt, Context.sites_for(model) + (_stream_site(site), "final_norm_output"))
+    corrupt_out = read(model, corrupt, Context.sites_for(model) + (_stream_site(site), "final_norm_output"), (),
+                       attention_mask)
 
     entry_p = np.repeat(np.asarray(positions, np.int32), len(heads))
     entry_h = np.tile(np.asarray(heads, np.int32), len(positions))
@@ -119,7 +119,7 @@ def resumed_sweep(model, clean_values, corrupt, site: str, metric, layers, posit
     n_rows, length = rows.positions.shape
     keys = length + (corrupt_out[Context.sites_for(model)[0]].shape[3] if model.layers_with("self_attn") else 0)
     chunk_rows = lambda rows, start, size: Rows(*(jnp.asarray(a[start:start + size]) for a in rows))
-    lower = lambda size: _chunk.lower(model, corrupt, corrupt_out, clean_values, metric, chunk_rows(rows, 0, size),
+    lower = lambda size: _chunk.lower(model, corrupt, attention_mask, corrupt_out, clean_values, metric, chunk_rows(rows, 0, size),
                                       jnp.asarray(layers[0], jnp.int32), site, split_heads)
     guess = int(memory_budget // bytes_per_row(model, corrupt.shape[0], length, keys))
     size, chunk = fit(lower, n_rows, guess, memory_budget, chunk_size)
@@ -131,7 +131,7 @@ def resumed_sweep(model, clean_values, corrupt, site: str, metric, layers, posit
     for layer in progress(layers):
         per_layer = []
         for c in range(chunks):
-            per_layer.append(np.asarray(chunk(model, corrupt, corrupt_out, clean_values, metric,
+            per_layer.append(np.asarray(chunk(model, corrupt, attention_mask, corrupt_out, clean_values, metric,
                                               chunk_rows(padded, c * size, size), jnp.asarray(layer, jnp.int32),
                                               site, split_heads)))
         values = np.concatenate(per_layer)[:n_rows]  # [rows, slots, *metric]
@@ -143,7 +143,7 @@ def resumed_sweep(model, clean_values, corrupt, site: str, metric, layers, posit
 
 
 @eqx.filter_jit
-def _chunk(model, corrupt, corrupt_out, clean_values, metric, rows: Rows, layer, site: str, split_heads: bool):
+def _chunk(model, corrupt, attention_mask, corrupt_out, clean_values, metric, rows: Rows, layer, site: str, split_heads: bool):
     """The metric of every segment of a chunk of rows at block ``layer``: ``[rows, slots, *metric]``."""
     seq = corrupt.shape[1]
     corrupt_stream = corrupt_out[_stream_site(site)]
@@ -161,7 +161,8 @@ def _chunk(model, corrupt, corrupt_out, clean_values, metric, rows: Rows, layer,
             stream, block = corrupt_stream[layer][:, positions], layer
             edits = (Set(site, _rows_of(site, clean_value, positions), layer=layer,
                          where=_patch_mask(site, clean_value.shape, first, heads if split_heads else None)),)
-        context = Context.continuing(model, corrupt_out, jnp.broadcast_to(positions, tokens.shape), block=block, stream=stream)
+        context = Context.continuing(model, corrupt_out, jnp.broadcast_to(positions, tokens.shape), block=block,
+                                     stream=stream, mask=attention_mask)
         normed = run(model, tokens, edits, reads=("final_norm_output",), context=context)["final_norm_output"]
         return jax.vmap(lambda start, offset: _segment_metric(model, metric, normed, normed_before, start, offset, seq))(
             starts, offsets)

@@ -87,6 +87,8 @@ class OlmoHybrid(Family):
         # OLMo's rotary module returns float32 cos/sin whatever the model's dtype
         cos_sin = None if self.rotary is None else self.rotary.cos_sin(positions, jnp.float32)
         padding = None if attention_mask is None else attention_mask.astype(bool)
+        if context is not None:
+            padding = context.real()
         pasts = {}
         if context is not None and context.keys is not None:
             pasts[FULL] = (context.keys, context.values)
