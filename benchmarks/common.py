@@ -37,6 +37,50 @@ def time_interleaved(runs: dict, reps: int) -> dict:
     return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
 
 
+def forward_timings(folder, tokens, reads, repeats: int) -> dict:
+    """The torch reference (sdpa, float32) against ``jax.jit(jstd.run)`` on ``tokens``, for the checkpoint in ``folder``.
+
+    Returns median seconds per forward: ``torch``; ``jstd`` (logits only) and
+    ``reads`` (reading ``reads`` too), those two interleaved over ``3 * repeats``
+    runs since the read overhead is a small difference of two noisy times; and
+    ``err``, the logits' max difference relative to their max.
+    """
+    import jax
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import jstd
+
+    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
+    ids = torch.as_tensor(tokens)
+
+    def torch_forward():
+        with torch.inference_mode():
+            return ref(input_ids=ids).logits
+
+    model = jstd.load(folder)
+    logits_only = jax.jit(jstd.run)
+    reading = jax.jit(jstd.run, static_argnames="reads")
+    t_torch = timeit(torch_forward, repeats)
+    both = time_interleaved({
+        "jstd": lambda: logits_only(model, tokens).logits.block_until_ready(),
+        "reads": lambda: jax.block_until_ready(reading(model, tokens, reads=reads).values),
+    }, 3 * repeats)
+    want = torch_forward().numpy()
+    got = np.asarray(logits_only(model, tokens).logits)
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    return dict(torch=t_torch, jstd=both["jstd"][0], reads=both["reads"][0], err=err)
+
+
+def print_table(heading: str, rows) -> None:
+    """``heading``, then ``rows`` of (figure, ratio, detail) as a markdown table."""
+    print(heading)
+    print("| figure | ratio | detail |\n| --- | --- | --- |")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+
+
 def checkpoint(config, folder, seed=0):
     from reference.checkpoints import make_checkpoint
 

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import common
-from common import checkpoint, time_interleaved, timeit
+from common import checkpoint, forward_timings, print_table
 
 SIZE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4, vocab_size=8192,
             max_position_embeddings=1024, rms_norm_eps=1e-5)
@@ -64,30 +64,12 @@ def main():
     import jax
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM
-
-    import jstd
 
     work = Path(tempfile.gettempdir()) / "jstd-bench"
     folder = checkpoint(llama_config(8), work / "llama-8x512")
     tokens = np.random.default_rng(0).integers(0, SIZE["vocab_size"], (4, 256))
-
-    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
-    ids = torch.as_tensor(tokens)
-
-    def torch_forward():
-        with torch.inference_mode():
-            return ref(input_ids=ids).logits
-
-    model = jstd.load(folder)
-    logits_only = jax.jit(jstd.run)
-    reads = jax.jit(jstd.run, static_argnames="reads")
-    t_torch = timeit(torch_forward, args.repeats)
-    both = time_interleaved({  # interleaved: the read overhead is a small difference of two noisy times
-        "logits": lambda: logits_only(model, tokens).logits.block_until_ready(),
-        "reads": lambda: jax.block_until_ready(reads(model, tokens, reads=RESIDUAL).values),
-    }, 3 * args.repeats)
-    t_jstd, t_reads = both["logits"][0], both["reads"][0]
+    t = forward_timings(folder, tokens, RESIDUAL, args.repeats)
+    t_torch, t_jstd, t_reads = t["torch"], t["jstd"], t["reads"]
 
     c4, c32 = compile_seconds(4), compile_seconds(32)
     mem = load_memory(folder)
@@ -104,11 +86,8 @@ def main():
         ("peak memory added while loading / checkpoint size on disk", f"{added / disk:.2f}x",
          f"{added / 2**20:.0f} MiB for {disk / 2**20:.0f} MiB"),
     ]
-    print(f"torch {torch.__version__} threads {torch.get_num_threads()}, jax {jax.__version__}, "
-          f"{os.cpu_count()} cores")
-    print("| figure | ratio | detail |\n| --- | --- | --- |")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+    print_table(f"torch {torch.__version__} threads {torch.get_num_threads()}, jax {jax.__version__}, "
+                f"{os.cpu_count()} cores", rows)
 
 
 if __name__ == "__main__":

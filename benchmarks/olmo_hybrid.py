@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import common
-from common import checkpoint, time_interleaved
+from common import checkpoint, forward_timings, print_table
 
 SIZE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=8, vocab_size=8192,
             max_position_embeddings=1024, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1,
@@ -48,33 +48,12 @@ def main():
     import jax
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM
-
-    import jstd
 
     work = Path(tempfile.gettempdir()) / "jstd-bench"
     folder = checkpoint(olmo_config(8), work / "olmo-hybrid-8x512")
     tokens = np.random.default_rng(0).integers(0, SIZE["vocab_size"], (BATCH, SEQ))
-
-    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
-    ids = torch.as_tensor(tokens)
-
-    def torch_forward():
-        with torch.inference_mode():
-            return ref(input_ids=ids).logits
-
-    model = jstd.load(folder)
-    logits_only = jax.jit(jstd.run)
-    reads = jax.jit(jstd.run, static_argnames="reads")
-    t = {name: median for name, (median, _) in time_interleaved({
-        "torch": torch_forward,
-        "jstd": lambda: logits_only(model, tokens).logits.block_until_ready(),
-        "reads": lambda: jax.block_until_ready(reads(model, tokens, reads=STATES).values),
-    }, args.repeats).items()}
-    with torch.inference_mode():
-        want = ref(input_ids=ids).logits.numpy()
-    got = np.asarray(logits_only(model, tokens).logits)
-    err = np.abs(got - want).max() / np.abs(want).max()
+    t = forward_timings(folder, tokens, STATES, args.repeats)
+    err = t["err"]
 
     c16, c64 = compile_seconds(16), compile_seconds(64)  # depths not compiled above (no cache hit)
     tok_s = lambda s: BATCH * SEQ / s
@@ -85,11 +64,8 @@ def main():
          f"{(t['reads'] / t['jstd'] - 1) * 100:+.1f}%", f"{t['reads'] * 1e3:.1f} ms vs {t['jstd'] * 1e3:.1f} ms"),
         ("compile time, 64 blocks / 16 blocks", f"{c64 / c16:.2f}x", f"{c64:.2f} s vs {c16:.2f} s"),
     ]
-    print(f"torch {torch.__version__} threads {torch.get_num_threads()}, jax {jax.__version__}, "
-          f"{os.cpu_count()} cores; batch {BATCH} x {SEQ} tokens, float32")
-    print("| figure | ratio | detail |\n| --- | --- | --- |")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+    print_table(f"torch {torch.__version__} threads {torch.get_num_threads()}, jax {jax.__version__}, "
+                f"{os.cpu_count()} cores; batch {BATCH} x {SEQ} tokens, float32", rows)
 
 
 if __name__ == "__main__":
