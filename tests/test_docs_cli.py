@@ -2,7 +2,6 @@
 
 from pathlib import Path
 
-import jstd
 from jstd import cli
 from jstd.sites import SITES, values_markdown
 

@@ -45,8 +45,6 @@ def test_reads_stacked_and_single(model, tokens):
 
 
 def test_single_block_reads_keep_only_their_block(model, tokens):
-    import functools
-
     L = model.config.num_layers
     stack = run(model, tokens, reads=("layers.layer_output", "layers.self_attn.attention_probabilities"))
     for i in (0, 2, -1):

@@ -188,7 +188,7 @@ def test_left_padded_batch(checkpoints):
              "layers.self_attn.attention_probabilities", "next_token_probs")
     out = jstd.run(model, tokens, reads=reads, attention_mask=mask)
     for r, row in enumerate(rows):
-        n, pad = len(row), SEQ - len(row)
+        pad = SEQ - len(row)
         want = ref.run(row[None], reads=reads + ("logits",))
         assert_close(out.logits[r, pad:], want["logits"][0], 1e-5, f"{name}: row {r} logits")
         assert_close(out["layers.layer_output"][:, r, pad:], want["layers.layer_output"][:, 0], 1e-5)

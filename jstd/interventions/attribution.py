@@ -19,7 +19,6 @@ from typing import Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.interventions.edits import Add
