@@ -11,30 +11,34 @@ from jstd.interventions import (
     zero_ablation,
 )
 from jstd.interventions.plots import logit_lens_table, plot_attention, plot_logit_lens, plot_patching
-from jstd.interventions.edits import Add, Apply, Edit, Scale, Set, Zero
+from jstd.edits import Add, Apply, Edit, Scale, Set, Zero
 from jstd.io.load import load
 from jstd.io.safetensors import CheckpointError
 from jstd.models.base import logical_axes
+from jstd.inputs import Inputs
 from jstd.context import Context
 from jstd.run import Outputs, project_on_vocab, run
 from jstd.sites import SITES, Site, SiteError
 
 
 def load_processor(path_or_repo_id):
-    """The checkpoint's HuggingFace tokenizer or processor (use ``return_tensors="np"``)."""
-    from transformers import AutoProcessor, AutoTokenizer
+    """The checkpoint's HuggingFace processor, tokenizer or (for a vision tower) image processor, the PIL
+    backend where there is a choice (use ``return_tensors="np"``; ``jstd.Inputs.of`` converts the output)."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     from jstd.io.hub import resolve
 
     folder = resolve(path_or_repo_id)
-    try:
-        return AutoProcessor.from_pretrained(folder)
-    except Exception:
-        return AutoTokenizer.from_pretrained(folder)
+    for auto in (AutoProcessor, AutoTokenizer):
+        try:
+            return auto.from_pretrained(folder)
+        except Exception:
+            pass
+    return AutoImageProcessor.from_pretrained(folder)
 
 
 __all__ = [
-    "load", "load_processor", "run", "Outputs", "project_on_vocab", "Context",
+    "load", "load_processor", "run", "Inputs", "Outputs", "project_on_vocab", "Context",
     "Edit", "Set", "Add", "Scale", "Zero", "Apply",
     "SITES", "Site", "SiteError", "CheckpointError", "logical_axes",
     # interventions

@@ -6,23 +6,50 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Standard sizes of a loaded model (hashable: it is static pytree data).
+class VisionConfig:
+    """A vision tower's sizes (``model.config.vision``; hashable: static pytree data).
 
-    layer_types: one entry per block, the block's kind (``"full_attention"`` on
-    every Llama block); hybrids mix kinds.
+    num_patches: the patch grid's size, ``(image_size // patch_size) ** 2``;
+    positions: the tower's stream length per image (the grid, plus one for a
+    class token).
     """
 
-    model_type: str
     num_layers: int
     hidden_size: int
     num_heads: int
-    num_kv_heads: int
     head_dim: int
-    qk_head_dim: int
-    vocab_size: int
     intermediate_size: int
-    layer_types: tuple[str, ...]
+    image_size: int
+    patch_size: int
+    num_channels: int
+    num_patches: int
+    positions: int
 
     def __str__(self):
-        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self) if f.name != "layer_types")
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Standard sizes of a loaded model (hashable: it is static pytree data).
+
+    The text sizes are None on a standalone vision tower; ``vision`` is None
+    on a text model. layer_types: one entry per text block, the block's kind
+    (``"full_attention"`` on every Llama block); hybrids mix kinds.
+    """
+
+    model_type: str
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    qk_head_dim: int | None = None
+    vocab_size: int | None = None
+    intermediate_size: int | None = None
+    layer_types: tuple[str, ...] = ()
+    vision: VisionConfig | None = None
+
+    def __str__(self):
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                         if f.name not in ("layer_types", "vision") and getattr(self, f.name) is not None)

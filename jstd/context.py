@@ -28,6 +28,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from jstd.kernels.attention import positions_and_mask
@@ -153,3 +154,55 @@ def begin(tokens: Int[Array, "batch seq"], attention_mask, context: Context | No
     cached = 0 if context.keys is None else context.keys.shape[3]
     h = embed() if context.stream is None else context.stream
     return context.rotary_positions(), context.attention_mask(cached), h
+
+
+def check_context(model, context: Context, shape: tuple[int, int], attention_mask, reads) -> None:
+    """Raise ValueError where ``context`` does not fit ``model`` and tokens of ``shape`` (static checks)."""
+    if not isinstance(context, Context):
+        raise TypeError(f"context must be a jstd.Context, got {type(context).__name__}")
+    if attention_mask is not None:
+        raise ValueError("a run with a context takes no attention_mask: the padding of the run it continues "
+                         "goes in context.mask, each token's position in context.positions")
+    batch, seq = shape
+    c = model.config
+    if np.shape(context.positions) != shape:
+        raise ValueError(f"context.positions has shape {np.shape(context.positions)}; it must match tokens' {shape}")
+    expected = {}
+    attention, linear = model.layers_with("self_attn"), model.layers_with("linear_attn")
+    if context.keys is not None or context.values is not None:
+        cached = np.shape(context.keys)[3] if np.ndim(context.keys) == 5 else "cached"
+        kv = (len(attention), batch, c.num_kv_heads, cached, c.head_dim)
+        expected.update(keys=kv, values=kv)
+    if context.states is not None or context.conv_inputs is not None:
+        states = np.shape(context.states)
+        width = np.shape(context.conv_inputs)[2] if np.ndim(context.conv_inputs) == 4 else "conv_width - 1"
+        expected.update(states=(len(linear), batch) + tuple(states[2:]) if len(states) == 5 else "5 axes",
+                        conv_inputs=(len(linear), batch, width, c.hidden_size))
+    for name, want in expected.items():
+        got = np.shape(getattr(context, name)) if getattr(context, name) is not None else None
+        if got != want:
+            raise ValueError(f"context.{name} has shape {got}; this model and batch need {want} "
+                             f"([blocks with the host, batch, ...]; see jstd.Context)")
+    if context.mask is not None:
+        cached = np.shape(context.keys)[3] if context.keys is not None else np.shape(context.mask)[1]
+        if np.shape(context.mask) != (batch, cached):
+            raise ValueError(f"context.mask has shape {np.shape(context.mask)}; it must be {(batch, cached)}: "
+                             "the padding of every cached position of each row")
+    if attention and linear and (context.keys is None) != (context.states is None):
+        raise ValueError("this hybrid model needs both the attention cache (keys, values) and the DeltaNet "
+                         "cache (states, conv_inputs) in its context, or neither")
+    if context.stream is not None:
+        if np.shape(context.stream) != (batch, seq, c.hidden_size):
+            raise ValueError(f"context.stream has shape {np.shape(context.stream)}; it must be "
+                             f"{(batch, seq, c.hidden_size)} (the start block's layer_input at the tokens)")
+        if context.block is None:
+            raise ValueError("context.stream needs context.block: the block whose layer_input it is")
+        if "token_embeddings" in reads:
+            from jstd.sites import SiteError
+
+            raise SiteError("token_embeddings is not computed on a run that starts from context.stream")
+    elif context.block is not None:
+        raise ValueError("context.block needs context.stream: the layer_input of that block at the tokens")
+    if context.block is not None and not isinstance(context.block, jax.core.Tracer):
+        if np.ndim(context.block) != 0 or not 0 <= int(context.block) <= c.num_layers:
+            raise ValueError(f"context.block must be one block index in [0, {c.num_layers}], got {context.block!r}")

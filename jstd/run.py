@@ -1,4 +1,4 @@
-"""``jstd.run``: tokens (and edits) in, logits and the values read out."""
+"""``jstd.run``: inputs (and edits) in, logits and the values read out."""
 
 from __future__ import annotations
 
@@ -10,25 +10,26 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jstd.context import Context
-from jstd.interventions.edits import as_edits
-from jstd.models.base import Family
+from jstd.context import Context, check_context
+from jstd.edits import as_edits
+from jstd.inputs import Inputs, as_inputs, token_array
+from jstd.models.base import Model
 from jstd.sites import SITES, SiteError, near, parse
 from jstd.tap import Tap
 
 
 class Outputs(eqx.Module):
-    """What one call returns: ``logits`` always, ``out[site]`` for every site read.
+    """What one call returns: ``logits`` (None on a vision tower alone) and ``out[site]`` for every site read.
 
     ``out["layers.X"]`` is stacked over the blocks that have X's host, block
-    axis first; ``out["layers.5.X"]`` is block 5 alone.
+    axis first; ``out["layers.5.X"]`` is block 5 alone (likewise ``vision.layers``).
     """
 
-    logits: Float[Array, "batch seq vocab"]
+    logits: Float[Array, "batch seq vocab"] | None
     values: dict[str, Array]
 
     def __getitem__(self, site: str) -> Array:
-        if site == "logits":
+        if site == "logits" and self.logits is not None:
             return self.logits
         if site not in self.values:
             raise KeyError(
@@ -38,13 +39,13 @@ class Outputs(eqx.Module):
         return self.values[site]
 
     def __contains__(self, site: str) -> bool:
-        return site == "logits" or site in self.values
+        return (site == "logits" and self.logits is not None) or site in self.values
 
     def keys(self):
         return self.values.keys()
 
 
-def check_sites(model: Family, names: Sequence[str], what: str) -> None:
+def check_sites(model: Model, names: Sequence[str], what: str) -> None:
     """Raise SiteError for a name the model does not serve, saying why and listing near names."""
     for name in names:
         base, index = parse(name)
@@ -58,9 +59,9 @@ def check_sites(model: Family, names: Sequence[str], what: str) -> None:
             _check_block(model, base, index, f"{what} {name!r}")
 
 
-def _check_block(model: Family, site: str, index: int, what: str) -> None:
+def _check_block(model: Model, site: str, index: int, what: str) -> None:
     blocks = model.blocks_for(site)
-    L = model.config.num_layers
+    L = model.depth(SITES[site].stack)
     if not -L <= index < L or index % L not in blocks:
         raise SiteError(f"{what}: block {index} does not exist or has no {SITES[site].host}; blocks with it: {_ranges(blocks)}")
 
@@ -86,8 +87,8 @@ def check_tokens(tokens, vocab_size: int):
 
 
 def run(
-    model: Family,
-    tokens: Int[Array, "batch seq"],
+    model: Model,
+    inputs: Int[Array, "batch seq"] | Inputs,
     edits=(),
     *,
     reads: Sequence[str] = (),
@@ -95,26 +96,35 @@ def run(
     images=None,
     context: Context | None = None,
 ) -> Outputs:
-    """Run ``model`` on ``tokens`` with ``edits`` applied; return logits and the sites in ``reads``.
+    """Run ``model`` on ``inputs`` with ``edits`` applied; return logits and the sites in ``reads``.
 
-    ``jax.jit(jstd.run)(model, tokens, edits)`` works as written; ``reads`` is
-    static (``static_argnames="reads"``). Only what is read is materialized.
-    Edits apply in list order at their sites and everything downstream computes
-    from the edited value. Left-padded rows with ``attention_mask`` (zeros are
-    padding) give, at their real positions, the values of the unpadded prompt.
+    ``inputs``: token ids ``[batch, seq]`` (with ``attention_mask=`` and
+    ``images=``: pixel values or a dict of the processor's image arrays), a
+    ``jstd.Inputs`` (tokens, attention_mask, images), or, outside jit, a
+    tokenizer's or processor's output. ``jax.jit(jstd.run)(model, inputs,
+    edits)`` works as written; ``reads`` is static (``static_argnames="reads"``).
+    Only what is read is materialized. Edits apply in list order at their
+    sites and everything downstream computes from the edited value.
+    Left-padded rows with an attention mask (zeros are padding) give, at their
+    real positions, the values of the unpadded prompt.
 
     ``context`` (``jstd.Context``): the tokens continue earlier positions (a
     cache of their keys, values and states) and may start at a later block
     from a given stream; ``positions`` then index the tokens' own seq axis.
 
     Raises SiteError for unknown, unavailable or read-only sites and edits that
-    do not fit their site, ValueError for token ids outside the vocabulary or
-    a context that does not fit the model and tokens.
+    do not fit their site, ValueError for token ids outside the vocabulary,
+    inputs the model does not take, or a context that does not fit the model
+    and tokens.
     """
-    if not isinstance(model, Family):
+    if not isinstance(model, Model):
         raise TypeError(f"run takes a model from jstd.load, got {type(model).__name__}")
-    if images is not None:
-        raise ValueError(f"this {model.family} model is a text model and takes no images; drop images=")
+    inputs = as_inputs(inputs, attention_mask)
+    if images is not None:  # the keyword form: a pixel array or the processor's image arrays
+        if inputs.images is not None:
+            raise ValueError("images are given twice: inside the inputs and as images=")
+        inputs = Inputs(inputs.tokens, inputs.attention_mask, images if isinstance(images, dict) else
+                        {"pixel_values": images})
     if isinstance(reads, str):
         reads = (reads,)
     edits = as_edits(edits)
@@ -122,31 +132,29 @@ def run(
     check_sites(model, [e.site for e in edits], "edit at")
     for e in edits:
         _check_layer(model, e)
-    tokens = jnp.asarray(tokens) if not isinstance(tokens, jax.core.Tracer) else tokens
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be [batch, seq] token ids, got shape {tokens.shape}; add a batch axis with tokens[None]")
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
-    if attention_mask is not None:
-        attention_mask = jnp.asarray(attention_mask)
-        if attention_mask.shape != tokens.shape:
-            raise ValueError(f"attention_mask has shape {attention_mask.shape}; it must match tokens' {tokens.shape}")
-    tokens = check_tokens(tokens, model.config.vocab_size)
+    model.check_inputs(inputs)
+    if inputs.tokens is not None:
+        tokens = token_array(inputs.tokens)
+        mask = inputs.attention_mask
+        if mask is not None:
+            mask = jnp.asarray(mask) if not isinstance(mask, jax.core.Tracer) else mask
+            if mask.shape != tokens.shape:
+                raise ValueError(f"attention_mask has shape {mask.shape}; it must match tokens' {tokens.shape}")
+        inputs = Inputs(check_tokens(tokens, model.config.vocab_size), mask, inputs.images)
     if context is not None:
-        check_context(model, context, tokens.shape, attention_mask, reads)
+        check_context(model, context, inputs.tokens.shape, inputs.attention_mask, reads)
 
     bases = frozenset(parse(r)[0] for r in reads) | ({"logits"} if "next_token_probs" in reads else frozenset())
-    num_blocks = {s.name: len(model.blocks_for(s.name)) for s in SITES.values() if s.per_block}
-    L = model.config.num_layers
+    num_blocks = {s: len(model.blocks_for(s)) for s in model.sites if SITES[s].per_block}
+    depths = {prefix: stack.depth for prefix, stack in model.stacks.items()}
     whole = {parse(r)[0] for r in reads if parse(r)[1] is None}
     single = {}
     for r in reads:
         base, index = parse(r)
         if index is not None and base not in whole:
-            single[base] = tuple(sorted(set(single.get(base, ())) | {index % L}))
-    tap = Tap(bases - {"next_token_probs"}, edits, L, num_blocks, single)
-    logits, recorded = model.forward(tokens, tap, attention_mask) if context is None else \
-        model.forward(tokens, tap, attention_mask, context)
+            single[base] = tuple(sorted(set(single.get(base, ())) | {index % depths[SITES[base].stack]}))
+    tap = Tap(bases - {"next_token_probs"}, edits, depths, num_blocks, single)
+    logits, recorded = model.forward(inputs, tap, context)
     left = tap.unapplied()
     if left:
         raise SiteError(f"edit at {left[0].site!r} was not applied: the {model.family} forward does not compute it on this call")
@@ -158,64 +166,16 @@ def run(
             values[name] = jax.nn.softmax(logits[:, -1].astype(jnp.float32), axis=-1)
         elif index is None:
             values[name] = recorded[base]
-        elif isinstance(recorded[base], dict):  # kept for the blocks read alone
-            values[name] = recorded[base][index % L]
         else:
-            values[name] = recorded[base][model.blocks_for(base).index(index % L)]
+            index %= depths[SITES[base].stack]
+            if isinstance(recorded[base], dict):  # kept for the blocks read alone
+                values[name] = recorded[base][index]
+            else:
+                values[name] = recorded[base][model.blocks_for(base).index(index)]
     return Outputs(logits, values)
 
 
-def check_context(model: Family, context: Context, shape: tuple[int, int], attention_mask, reads) -> None:
-    """Raise ValueError where ``context`` does not fit ``model`` and tokens of ``shape`` (static checks)."""
-    if not isinstance(context, Context):
-        raise TypeError(f"context must be a jstd.Context, got {type(context).__name__}")
-    if attention_mask is not None:
-        raise ValueError("a run with a context takes no attention_mask: the padding of the run it continues "
-                         "goes in context.mask, each token's position in context.positions")
-    batch, seq = shape
-    c = model.config
-    if np.shape(context.positions) != shape:
-        raise ValueError(f"context.positions has shape {np.shape(context.positions)}; it must match tokens' {shape}")
-    expected = {}
-    attention, linear = model.layers_with("self_attn"), model.layers_with("linear_attn")
-    if context.keys is not None or context.values is not None:
-        cached = np.shape(context.keys)[3] if np.ndim(context.keys) == 5 else "cached"
-        kv = (len(attention), batch, c.num_kv_heads, cached, c.head_dim)
-        expected.update(keys=kv, values=kv)
-    if context.states is not None or context.conv_inputs is not None:
-        states = np.shape(context.states)
-        width = np.shape(context.conv_inputs)[2] if np.ndim(context.conv_inputs) == 4 else "conv_width - 1"
-        expected.update(states=(len(linear), batch) + tuple(states[2:]) if len(states) == 5 else "5 axes",
-                        conv_inputs=(len(linear), batch, width, c.hidden_size))
-    for name, want in expected.items():
-        got = np.shape(getattr(context, name)) if getattr(context, name) is not None else None
-        if got != want:
-            raise ValueError(f"context.{name} has shape {got}; this model and batch need {want} "
-                             f"([blocks with the host, batch, ...]; see jstd.Context)")
-    if context.mask is not None:
-        cached = np.shape(context.keys)[3] if context.keys is not None else np.shape(context.mask)[1]
-        if np.shape(context.mask) != (batch, cached):
-            raise ValueError(f"context.mask has shape {np.shape(context.mask)}; it must be {(batch, cached)}: "
-                             "the padding of every cached position of each row")
-    if attention and linear and (context.keys is None) != (context.states is None):
-        raise ValueError("this hybrid model needs both the attention cache (keys, values) and the DeltaNet "
-                         "cache (states, conv_inputs) in its context, or neither")
-    if context.stream is not None:
-        if np.shape(context.stream) != (batch, seq, c.hidden_size):
-            raise ValueError(f"context.stream has shape {np.shape(context.stream)}; it must be "
-                             f"{(batch, seq, c.hidden_size)} (the start block's layer_input at the tokens)")
-        if context.block is None:
-            raise ValueError("context.stream needs context.block: the block whose layer_input it is")
-        if "token_embeddings" in reads:
-            raise SiteError("token_embeddings is not computed on a run that starts from context.stream")
-    elif context.block is not None:
-        raise ValueError("context.block needs context.stream: the layer_input of that block at the tokens")
-    if context.block is not None and not isinstance(context.block, jax.core.Tracer):
-        if np.ndim(context.block) != 0 or not 0 <= int(context.block) <= c.num_layers:
-            raise ValueError(f"context.block must be one block index in [0, {c.num_layers}], got {context.block!r}")
-
-
-def _check_layer(model: Family, edit) -> None:
+def _check_layer(model: Model, edit) -> None:
     layer = edit.layer
     if layer is None or isinstance(layer, jax.core.Tracer):
         return
@@ -224,6 +184,6 @@ def _check_layer(model: Family, edit) -> None:
     _check_block(model, edit.site, int(layer), f"{type(edit).__name__} at {edit.site}")
 
 
-def project_on_vocab(model: Family, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
+def project_on_vocab(model: Model, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
     """The final norm, the head and whatever the family does after it: ``logit_lens`` exact at the last block."""
     return model.project_on_vocab(hidden)

@@ -25,12 +25,14 @@ class Site:
 
     name: the full dotted name without a block index (``layers.mlp.mlp_output``).
     host: the part of the model that computes it (``model``, ``layers``,
-        ``layers.self_attn``, ``layers.mlp``, ``layers.linear_attn``, ``vision``…).
+        ``layers.self_attn``, ``vision``, ``vision.layers.mlp``…).
     layout: the value's axes, in order, for one host (one block for block sites).
     meaning: what the value is, in one or two sentences.
     editable: whether edits may replace it; derived values are read-only.
     family: the family that alone serves it, for family-specific sites; None for
         the shared vocabulary.
+    stack: the stack of blocks a block site belongs to (``layers``,
+        ``vision.layers``); None for a site computed once per call.
     """
 
     name: str
@@ -39,13 +41,22 @@ class Site:
     meaning: str
     editable: bool = True
     family: str | None = None
+    stack: str | None = None
 
     @property
     def per_block(self) -> bool:
-        return self.host == "layers" or self.host.startswith("layers.")
+        return self.stack is not None
+
+    @property
+    def relative(self) -> str:
+        """The name inside its block (``self_attn.attention_queries``), or the whole name for other sites."""
+        return self.name[len(self.stack) + 1:] if self.stack else self.name
 
 
 RESIDUAL = ("batch", "seq", "hidden")
+STACKS = ("layers", "vision.layers")
+# a tower's values name their axes after images and patches, and the tower's own width
+VISION_AXES = {"batch": "images", "seq": "patches", "hidden": "vision_hidden"}
 
 
 def _site(name, layout, meaning, editable=True, family=None):
@@ -53,53 +64,71 @@ def _site(name, layout, meaning, editable=True, family=None):
     return Site(name, host, tuple(layout), meaning, editable, family)
 
 
+# The values a block computes, by name relative to its block. Every stack serves
+# the ones its blocks compute (``layers.X`` on the text model, ``vision.layers.X``
+# on a tower), so one Attention or MLP taps the same relative names in any stack.
+BLOCK_SITES = [
+    # the stream
+    ("layer_input", RESIDUAL, "The residual stream entering the block."),
+    ("attention_norm_output", RESIDUAL, "The normed stream entering the mixer (the output of the block's input norm)."),
+    ("layer_mid", RESIDUAL, "The residual stream after the mixer's add: layer_input + attention_output."),
+    ("mlp_norm_output", RESIDUAL, "The normed stream entering the MLP (the output of the MLP's input norm)."),
+    ("mlp_input", RESIDUAL, "What the MLP is called with."),
+    ("layer_output", RESIDUAL, "The residual stream leaving the block: layer_mid + mlp_output."),
+    # softmax attention
+    ("self_attn.attention_queries", ("batch", "heads", "seq", "qk_head_dim"), "The queries entering attention, after the rotary embedding where the family has one."),
+    ("self_attn.attention_keys", ("batch", "kv_heads", "seq", "qk_head_dim"), "The keys entering attention, after the rotary embedding, before the grouped-query repeat."),
+    ("self_attn.attention_values", ("batch", "kv_heads", "seq", "head_dim"), "The values entering attention, before the grouped-query repeat."),
+    ("self_attn.attention_scores", ("batch", "heads", "query", "key"), "The attention scores entering the softmax: scaled q·k with the causal and padding mask applied (masked entries hold the dtype's minimum)."),
+    ("self_attn.attention_probabilities", ("batch", "heads", "query", "key"), "The attention pattern the values are mixed with (softmax of the scores in float32, cast back)."),
+    ("self_attn.attention_head_outputs", ("batch", "seq", "heads", "head_dim"), "The per-head outputs of the attention, before the output projection."),
+    ("self_attn.attention_premix", ("batch", "seq", "heads", "head_dim"), "Every head's output side by side, as the output projection takes it."),
+    ("self_attn.attention_output", RESIDUAL, "What the attention adds to the residual stream."),
+    ("self_attn.attention_raw_output", RESIDUAL, "The attention's own output (the output projection's), before the post-norm and the residual multiplier that turn it into attention_output; the post-norm undoes a scaling here (up to its eps), so scale attention_output instead.", True, "hyperclovax"),
+    # the MLP
+    ("mlp.mlp_activation", ("batch", "seq", "mlp"), "The activation function's output."),
+    ("mlp.mlp_neurons", ("batch", "seq", "mlp"), "What the down projection receives: act(gate)·up on a gated MLP, the activation itself otherwise."),
+    ("mlp.mlp_output", RESIDUAL, "What the MLP adds to the residual stream."),
+    ("mlp.mlp_raw_output", RESIDUAL, "The MLP's own output (the down projection's), before the post-norm and the residual multiplier that turn it into mlp_output; the post-norm undoes a scaling here (up to its eps), so scale mlp_output instead.", True, "hyperclovax"),
+    # the gated DeltaNet mixer (linear attention)
+    ("linear_attn.attention_queries", ("batch", "seq", "heads", "key_dim"), "The queries entering the delta rule (after the convolution and its activation, before the kernel's l2 norm)."),
+    ("linear_attn.attention_keys", ("batch", "seq", "heads", "key_dim"), "The keys entering the delta rule (after the convolution and its activation, before the kernel's l2 norm)."),
+    ("linear_attn.attention_values", ("batch", "seq", "heads", "value_dim"), "The values entering the delta rule."),
+    ("linear_attn.decays", ("batch", "seq", "heads"), "The per-token log decay of the recurrent state."),
+    ("linear_attn.betas", ("batch", "seq", "heads"), "The per-token write strength into the state."),
+    ("linear_attn.state_input", ("batch", "heads", "key_dim", "value_dim"), "The recurrent state entering the layer (zeros at the start of a prompt)."),
+    ("linear_attn.state_output", ("batch", "heads", "key_dim", "value_dim"), "The recurrent state leaving the layer (what a cache keeps; nothing in the call reads it, so it is read-only: edit state_input or the values that write it).", False),
+    ("linear_attn.states", ("batch", "seq", "heads", "key_dim", "value_dim"), "The recurrent state after every token of the call; derived, read-only.", False),
+    ("linear_attn.attention_head_outputs", ("batch", "seq", "heads", "value_dim"), "The per-head outputs of the delta rule, before the gated norm and the output projection."),
+    ("linear_attn.attention_output", RESIDUAL, "What the mixer adds to the residual stream."),
+]
+# hosts a vision tower's blocks may have (towers have no DeltaNet mixers and no family multipliers)
+VISION_BLOCK_HOSTS = ("", "self_attn", "mlp")
+
+
+def _block_site(stack, rel, layout, meaning, editable=True, family=None):
+    if stack != "layers":
+        layout = tuple(VISION_AXES.get(a, a) for a in layout)
+    name = f"{stack}.{rel}"
+    return Site(name, name.rsplit(".", 1)[0], tuple(layout), meaning, editable, family, stack)
+
+
 SITES: dict[str, Site] = {
     s.name: s
     for s in [
-        # the model
+        # the text model
         _site("token_embeddings", RESIDUAL, "The embedding lookup of the tokens; on most families what enters block 0 (a family that scales embeddings says so)."),
         _site("final_norm_output", RESIDUAL, "The residual stream after the final norm, what the head reads."),
         _site("lm_head_output", ("batch", "seq", "vocab"), "The head's logits, before anything the family does past the head (a scale, a softcap)."),
         _site("logits", ("batch", "seq", "vocab"), "The logits the model returns, after anything it does past the head."),
         _site("next_token_probs", ("batch", "vocab"), "The next-token distribution at the last position (softmax of logits in float32); derived, read-only.", editable=False),
-        # every block
-        _site("layers.layer_input", RESIDUAL, "The residual stream entering the block."),
-        _site("layers.attention_norm_output", RESIDUAL, "The normed stream entering the mixer (the output of the block's input norm)."),
-        _site("layers.layer_mid", RESIDUAL, "The residual stream after the mixer's add: layer_input + attention_output."),
-        _site("layers.mlp_norm_output", RESIDUAL, "The normed stream entering the MLP (the output of the MLP's input norm)."),
-        _site("layers.mlp_input", RESIDUAL, "What the MLP is called with."),
-        _site("layers.layer_output", RESIDUAL, "The residual stream leaving the block: layer_mid + mlp_output."),
-        # softmax attention
-        _site("layers.self_attn.attention_queries", ("batch", "heads", "seq", "qk_head_dim"), "The queries entering attention, after the rotary embedding where the family has one."),
-        _site("layers.self_attn.attention_keys", ("batch", "kv_heads", "seq", "qk_head_dim"), "The keys entering attention, after the rotary embedding, before the grouped-query repeat."),
-        _site("layers.self_attn.attention_values", ("batch", "kv_heads", "seq", "head_dim"), "The values entering attention, before the grouped-query repeat."),
-        _site("layers.self_attn.attention_scores", ("batch", "heads", "query", "key"), "The attention scores entering the softmax: scaled q·k with the causal and padding mask applied (masked entries hold the dtype's minimum)."),
-        _site("layers.self_attn.attention_probabilities", ("batch", "heads", "query", "key"), "The attention pattern the values are mixed with (softmax of the scores in float32, cast back)."),
-        _site("layers.self_attn.attention_head_outputs", ("batch", "seq", "heads", "head_dim"), "The per-head outputs of the attention, before the output projection."),
-        _site("layers.self_attn.attention_premix", ("batch", "seq", "heads", "head_dim"), "Every head's output side by side, as the output projection takes it."),
-        _site("layers.self_attn.attention_output", RESIDUAL, "What the attention adds to the residual stream."),
-        _site("layers.self_attn.attention_raw_output", RESIDUAL, "The attention's own output (the output projection's), before the post-norm and the residual multiplier that turn it into attention_output; the post-norm undoes a scaling here (up to its eps), so scale attention_output instead.", family="hyperclovax"),
-        # the MLP
-        _site("layers.mlp.mlp_activation", ("batch", "seq", "mlp"), "The activation function's output."),
-        _site("layers.mlp.mlp_neurons", ("batch", "seq", "mlp"), "What the down projection receives: act(gate)·up on a gated MLP, the activation itself otherwise."),
-        _site("layers.mlp.mlp_output", RESIDUAL, "What the MLP adds to the residual stream."),
-        _site("layers.mlp.mlp_raw_output", RESIDUAL, "The MLP's own output (the down projection's), before the post-norm and the residual multiplier that turn it into mlp_output; the post-norm undoes a scaling here (up to its eps), so scale mlp_output instead.", family="hyperclovax"),
-        # the gated DeltaNet mixer (linear attention)
-        _site("layers.linear_attn.attention_queries", ("batch", "seq", "heads", "key_dim"), "The queries entering the delta rule (after the convolution and its activation, before the kernel's l2 norm)."),
-        _site("layers.linear_attn.attention_keys", ("batch", "seq", "heads", "key_dim"), "The keys entering the delta rule (after the convolution and its activation, before the kernel's l2 norm)."),
-        _site("layers.linear_attn.attention_values", ("batch", "seq", "heads", "value_dim"), "The values entering the delta rule."),
-        _site("layers.linear_attn.decays", ("batch", "seq", "heads"), "The per-token log decay of the recurrent state."),
-        _site("layers.linear_attn.betas", ("batch", "seq", "heads"), "The per-token write strength into the state."),
-        _site("layers.linear_attn.state_input", ("batch", "heads", "key_dim", "value_dim"), "The recurrent state entering the layer (zeros at the start of a prompt)."),
-        _site("layers.linear_attn.state_output", ("batch", "heads", "key_dim", "value_dim"), "The recurrent state leaving the layer."),
-        _site("layers.linear_attn.states", ("batch", "seq", "heads", "key_dim", "value_dim"), "The recurrent state after every token of the call; derived, read-only.", editable=False),
-        _site("layers.linear_attn.attention_head_outputs", ("batch", "seq", "heads", "value_dim"), "The per-head outputs of the delta rule, before the gated norm and the output projection."),
-        _site("layers.linear_attn.attention_output", RESIDUAL, "What the mixer adds to the residual stream."),
+        *(_block_site("layers", *entry) for entry in BLOCK_SITES),
+        # vision towers
+        _site("vision.patch_embeddings", ("images", "grid", "vision_hidden"), "The tower's patch embeddings, the patch grid in raster order, before any class token or position embedding."),
+        *(_block_site("vision.layers", *entry) for entry in BLOCK_SITES
+          if entry[0].rpartition(".")[0] in VISION_BLOCK_HOSTS and len(entry) < 5),
+        _site("vision.tower_output", ("images", "patches", "vision_hidden"), "The vision tower's output: the last block's output, through the tower's final norm where it has one that norms every patch."),
         # vision-language wrappers
-        _site("vision.patch_embeddings", ("images", "patches", "vision_hidden"), "The vision tower's patch embeddings, before any class token or position embedding."),
-        _site("vision.layers.layer_input", ("images", "patches", "vision_hidden"), "The vision stream entering a vision block."),
-        _site("vision.layers.layer_output", ("images", "patches", "vision_hidden"), "The vision stream leaving a vision block."),
-        _site("vision.tower_output", ("images", "patches", "vision_hidden"), "The vision tower's output."),
         _site("projector.input", ("images", "patches", "projector_in"), "What the projector reads."),
         _site("projector.output", ("images", "tokens", "hidden"), "What the projector returns."),
         _site("vision.image_features", ("image_tokens", "hidden"), "The image features the text model receives at the image tokens (read and edited at the scatter)."),
@@ -147,27 +176,33 @@ def parse(name: str) -> tuple[str, int | None]:
     return name, index
 
 
-def values_markdown() -> str:
-    """docs/values.md, generated from SITES (tests check the file is current)."""
+def values_markdown(served: dict[str, tuple[str, ...]] | None = None) -> str:
+    """docs/values.md: every site some family or tower serves, with the ones that serve it (``served``: site ->
+    family names; by default ``jstd.models.served_sites()``). Tests check the file is current."""
+    if served is None:
+        from jstd.models import served_sites
+
+        served = served_sites()
     lines = [
         "# Standard values",
         "",
-        "Generated from `jstd/sites.py` by `make docs`; do not edit by hand.",
+        "Generated from `jstd/sites.py` and the families' declarations by `make docs`; do not edit by hand.",
         "",
         '`"layers.X"` reads site X stacked over the blocks that have its host (block axis first);',
-        '`"layers.5.X"` reads or edits block 5 alone. Layouts are per host (per block).',
+        '`"layers.5.X"` reads or edits block 5 alone; `"vision.layers.X"` and `"vision.layers.5.X"` do the same',
+        "on a vision tower's blocks. Layouts are per host (per block). *Served by* lists the families and towers",
+        "that compute the value; names in the vocabulary that nothing serves yet are left out.",
         "",
     ]
     by_host: dict[str, list[Site]] = {}
     for s in SITES.values():
-        by_host.setdefault(s.host, []).append(s)
+        if served.get(s.name):
+            by_host.setdefault(s.host, []).append(s)
     for host, sites in by_host.items():
-        lines += [f"## `{host}`", "", "| site | layout | editable | meaning |", "| --- | --- | --- | --- |"]
+        lines += [f"## `{host}`", "", "| site | layout | editable | served by | meaning |", "| --- | --- | --- | --- | --- |"]
         for s in sites:
-            fam = f" (only {s.family})" if s.family else ""
-            lines.append(
-                f"| `{s.name}` | [{', '.join(s.layout)}] | {'yes' if s.editable else 'read-only'} | {s.meaning}{fam} |"
-            )
+            lines.append(f"| `{s.name}` | [{', '.join(s.layout)}] | {'yes' if s.editable else 'read-only'} | "
+                         f"{', '.join(served[s.name])} | {s.meaning} |")
         lines.append("")
     return "\n".join(lines)
 

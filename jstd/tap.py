@@ -1,27 +1,43 @@
 """The mechanism that applies edits and records reads at a site.
 
-A family's forward passes every standard value through a ``Scope`` (one per
-host call: the model, or one block inside the scan). The set of reads and the
-structure of the edits are static Python data; the edits' arrays and the block
-index are traced. A site nobody reads or edits costs nothing after compilation.
+A forward passes every standard value through a ``Taps`` (a ``Scope``: one per
+host call, the model or one block inside a stack's scan). Shared modules tap
+*relative* names (``self_attn.attention_queries``); the scope's prefix
+(``layers.``, ``vision.layers.``, ``vision.``, or none on the text model) makes
+them whole, so one Attention serves every stack. The set of reads and the
+structure of the edits are static Python data; the edits' arrays and the
+block index are traced. A site nobody reads or edits costs nothing after
+compilation.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Protocol
+
+import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
-from jstd.interventions.edits import Edit
+from jstd.edits import Edit
 from jstd.kernels.rounding import rounded
 from jstd.sites import SITES, SiteError
+
+
+class Taps(Protocol):
+    """What a module calls at each value it computes: ``s(name, value)`` returns the (edited) value."""
+
+    def __call__(self, site: str, value: Array) -> Array: ...
+
+    def touches(self, *sites: str) -> bool: ...
 
 
 class Tap:
     """The reads and edits of one call of ``run``.
 
-    reads: base site names to record (``layers.X``, never ``layers.5.X``).
+    reads: whole site names to record (``layers.X``, never ``layers.5.X``).
     edits: the edits, in the order they compose.
+    depths: each stack's number of blocks (``{"layers": 16, "vision.layers": 24}``).
     num_blocks: for each block site, how many blocks compute it (stacked edit
         arrays are checked against it).
     single: block sites read at some blocks only (``layers.5.X``, never the
@@ -29,11 +45,11 @@ class Tap:
         and returns them as ``{block: value}``.
     """
 
-    def __init__(self, reads: frozenset[str], edits: tuple[Edit, ...], num_layers: int, num_blocks: dict[str, int],
-                 single: dict[str, tuple[int, ...]] | None = None):
+    def __init__(self, reads: frozenset[str], edits: tuple[Edit, ...], depths: dict[str, int],
+                 num_blocks: dict[str, int], single: dict[str, tuple[int, ...]] | None = None):
         self.reads = frozenset(reads)
         self.single = dict(single or {})
-        self.num_layers = num_layers
+        self.depths = depths
         self.num_blocks = num_blocks
         self.edits: dict[str, list[Edit]] = {}
         for e in edits:
@@ -41,31 +57,34 @@ class Tap:
         self.applied: set[int] = set()
 
     def touches(self, *sites: str) -> bool:
-        """Whether any of ``sites`` is read or edited on this call (a static fact)."""
+        """Whether any of ``sites`` (whole names) is read or edited on this call (a static fact)."""
         return any(s in self.reads or s in self.edits for s in sites)
 
-    def scope(self, layer=None, stack_index=None) -> "Scope":
-        """A scope for the model (``layer=None``) or for one block (traced indices)."""
-        return Scope(self, layer, stack_index)
+    def scope(self, prefix: str = "", layer=None, stack_index=None) -> "Scope":
+        """A scope whose names are relative to ``prefix`` (``""``, ``"vision."``, ``"layers."``): the
+        model's (``layer=None``) or one block's (traced indices)."""
+        return Scope(self, prefix, layer, stack_index)
 
     def unapplied(self) -> list[Edit]:
         return [e for es in self.edits.values() for e in es if id(e) not in self.applied]
 
 
 class Scope:
-    """Taps inside one host call; ``records`` holds what was read there."""
+    """Taps inside one host call; ``records`` holds what was read there, by whole name."""
 
-    def __init__(self, tap: Tap, layer, stack_index):
+    def __init__(self, tap: Tap, prefix: str, layer, stack_index):
         self.tap = tap
+        self.prefix = prefix
         self.layer = layer
         self.stack_index = stack_index
         self.records: dict[str, Array] = {}
 
     def touches(self, *sites: str) -> bool:
-        return self.tap.touches(*sites)
+        return self.tap.touches(*(self.prefix + s for s in sites))
 
     def __call__(self, site: str, value: Array) -> Array:
-        """Apply the edits addressed to ``site`` (in order), record it if read, return it."""
+        """Apply the edits addressed to ``prefix + site`` (in order), record it if read, return it."""
+        site = self.prefix + site
         edits = self.tap.edits.get(site, ())
         for edit in edits:
             value = self._apply(edit, site, value)
@@ -107,17 +126,11 @@ class Scope:
                 )
             fields[name] = a
         if fields:
-            edit = _replace(edit, fields)
+            names = list(fields)
+            edit = eqx.tree_at(lambda e: [getattr(e, n) for n in names], edit, [fields[n] for n in names])
         new = edit(value)
         if edit.layer is not None:
             target = jnp.asarray(edit.layer)
-            target = jnp.where(target < 0, target + self.tap.num_layers, target)
+            target = jnp.where(target < 0, target + self.tap.depths[spec.stack], target)
             new = jnp.where(self.layer == target, new, value)
         return new
-
-
-def _replace(edit: Edit, fields: dict) -> Edit:
-    import equinox as eqx
-
-    names = list(fields)
-    return eqx.tree_at(lambda e: [getattr(e, n) for n in names], edit, [fields[n] for n in names])

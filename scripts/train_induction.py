@@ -140,7 +140,7 @@ def random_weights(seed: int = SEED) -> dict[str, np.ndarray]:
 
 def hf_weights(model) -> dict[str, np.ndarray]:
     """A jstd Llama's arrays under HuggingFace names: the inverse of ``Llama.name_map`` (no biases)."""
-    b = model.blocks
+    b = model.layers.slots[0]
     a = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
     t = {"model.embed_tokens.weight": a(model.embed), "model.norm.weight": a(model.final_norm.weight)}
     if model.lm_head is not None:

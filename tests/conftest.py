@@ -41,3 +41,13 @@ def relative_rms(actual, expected) -> float:
 @pytest.fixture(scope="session")
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory):
+    """zoo(case, dtype="float32") -> (name, folder, jstd model, torch reference, spec) for a case of
+    ``families.CASES``, built once a session; zoo.every_value(case) -> (jstd output, torch values) on one batch."""
+    import families
+    from reference.cases import Zoo
+
+    return Zoo(tmp_path_factory, families.CASES)

@@ -26,5 +26,5 @@ def test_demo(capsys):
 def test_inspect(capsys):
     cli.main(["inspect"])
     out = capsys.readouterr().out
-    assert "blocks.attn.q" in out and "[layers=4, embed=64, heads=4, head_dim=16]" in out
+    assert "layers.slots[0].attn.q" in out and "[layers=4, embed=64, heads=4, head_dim=16]" in out
     assert "attention_keys" in out and "kv_heads=2" in out

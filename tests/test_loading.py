@@ -45,7 +45,7 @@ def test_sharded_checkpoint_with_index(tmp_path):
 def test_dtype_and_source_untouched(folder):
     before = snapshot(folder)
     m = jstd.load(folder, dtype=jnp.bfloat16)
-    assert all(x.dtype == jnp.bfloat16 for x in [m.embed, m.blocks.attn.q, m.final_norm.weight])
+    assert all(x.dtype == jnp.bfloat16 for x in [m.embed, m.layers.slots[0].attn.q, m.final_norm.weight])
     assert jstd.load(folder).embed.dtype == jnp.float32
     assert snapshot(folder) == before
 

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jstd.interventions.edits import Set, Zero, site_axes
+from jstd.edits import Set, Zero, site_axes
+from jstd.inputs import as_inputs
 from jstd.interventions.reading import block_entry, read
 from jstd.sites import SITES, SiteError, parse
 
@@ -53,7 +54,8 @@ def site_mean(
     model, site: str, tokens: Int[Array, "batch seq"], *, layer=None, per_position: bool = False,
     exclude_first: bool = True, attention_mask: Int[Array, "batch seq"] | None = None, edits=(),
 ) -> Array:
-    """The mean of ``site``'s value over the rows (and positions) of a run on ``tokens``.
+    """The mean of ``site``'s value over the rows (and positions) of a run on ``tokens`` (token ids with
+    ``attention_mask``, or a ``jstd.Inputs``; on images every patch counts).
 
     Returns an array that broadcasts against the site's per-block value (the
     batch and averaged axes kept with size 1), stacked over the blocks that have
@@ -71,13 +73,16 @@ def site_mean(
     if index is not None:
         layer, site = index, base
     spec = SITES[site]
-    value = read(model, tokens, (site,), edits, attention_mask)[site]
+    inputs = as_inputs(tokens, attention_mask)
+    value = read(model, inputs, (site,), edits)[site]
     stacked = spec.per_block
     off = 1 if stacked else 0
     pos_axis, _ = site_axes(site)
     w = None
-    if pos_axis is not None:
-        w = token_weights(tokens, attention_mask, exclude_first and not per_position)
+    if pos_axis is not None and inputs.tokens is None:  # images: every patch of every image counts
+        w = np.ones((value.shape[off], value.shape[off + pos_axis]), np.float32)
+    elif pos_axis is not None:
+        w = token_weights(inputs.tokens, inputs.attention_mask, exclude_first and not per_position)
         if not isinstance(w, jax.core.Tracer) and float(w.sum()) == 0:
             raise SiteError(f"the mean of {site} counts no position: every position is padding or excluded (exclude_first)")
     mean = _weighted_mean(value, w, off, pos_axis, per_position)

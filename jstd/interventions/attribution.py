@@ -21,21 +21,23 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jstd.interventions.edits import Add
-from jstd.interventions.edits import site_axes
+from jstd.edits import Add
+from jstd.edits import site_axes
 from jstd.interventions.reading import read
 from jstd.run import run
 from jstd.sites import SITES, SiteError, parse
 
 HEAD_OUTPUTS = "layers.self_attn.attention_head_outputs"
-PARTS = ("layers.layer_input", "layers.self_attn.attention_output", "layers.mlp.mlp_output", "layers.layer_output")
+STREAM = ("layers.layer_input", "layers.mlp.mlp_output", "layers.layer_output")
+MIXERS = ("self_attn", "linear_attn")
 
 
 class LogitAttribution(eqx.Module):
     """Direct logit attribution at one position, per batch row.
 
     embeddings: what enters block 0 (``layers.0.layer_input``).
-    attention, mlp: what each block's attention and MLP add (``attention_output``, ``mlp_output``).
+    attention, mlp: what each block's mixer (softmax attention or, on hybrids,
+        DeltaNet) and MLP add (``attention_output``, ``mlp_output``).
     heads: each head's share of ``attention`` (its head output through its
         slice of o_proj; the o_proj bias, when there is one, is in ``attention``
         but in no head), None when not asked for.
@@ -53,17 +55,23 @@ class LogitAttribution(eqx.Module):
         return self.embeddings + self.attention.sum(0) + self.mlp.sum(0)
 
 
-def _readout_parts(model):
-    from jstd.models.layers import RMSNorm
+def _mixer_sites(model) -> tuple[str, ...]:
+    """Each mixer host's ``attention_output`` the model has (both on a hybrid)."""
+    return tuple(f"layers.{h}.attention_output" for h in MIXERS if model.layers_with(h))
 
-    missing = [n for n in ("final_norm", "head", "finish_logits") if not hasattr(model, n)]
-    if missing or not isinstance(model.final_norm, RMSNorm):
-        raise NotImplementedError(f"direct logit attribution needs a final RMSNorm and a linear head; the "
-                                  f"{model.family} family has {'no ' + missing[0] if missing else 'another final norm'}")
-    if tuple(model.layers_with("self_attn")) != tuple(range(model.config.num_layers)):
-        raise NotImplementedError("direct logit attribution reads every block's self_attn and mlp outputs; "
-                                  f"this {model.family} model has blocks without self_attn")
-    return model.final_norm, model.head, model.finish_logits
+
+def _head_slot(model):
+    """The block whose heads are split: every block must be one softmax-attention block that adds o_proj's
+    output linearly (times its multiplier)."""
+    stack = model.stacks["layers"]
+    block = stack.slots[0]
+    if stack.period != 1 or not block.has("self_attn"):
+        raise NotImplementedError("per-head attribution reads every block's attention heads; this "
+                                  f"{model.family} model has blocks without self_attn (pass heads=False)")
+    if block.attention_post_norm is not None:
+        raise NotImplementedError("per-head attribution needs a block that adds o_proj's output linearly; "
+                                  "this one passes it through a post-norm (attribute attention_output instead)")
+    return block
 
 
 def direct_logit_attribution(
@@ -85,15 +93,17 @@ def direct_logit_attribution(
     times its residual multiplier); raises NotImplementedError on blocks whose
     attention passes a post-norm (not linear in the heads).
     """
-    _readout_parts(model)  # raises for a family without a final RMSNorm and a linear head
-    reads = PARTS + ((HEAD_OUTPUTS,) if heads else ())
+    model.readout()  # raises for a model without a final RMSNorm and a linear head
+    if heads:
+        _head_slot(model)
+    reads = STREAM + _mixer_sites(model) + ((HEAD_OUTPUTS,) if heads else ())
     out = read(model, tokens, reads, edits, attention_mask)
     return _dla(model, out, jnp.asarray(target), None if other is None else jnp.asarray(other), position, heads)
 
 
 @eqx.filter_jit
 def _dla(model, out, target, other, position, heads):
-    final_norm, head, finish = _readout_parts(model)
+    final_norm, logits_from_norm = model.readout()
     at = lambda name: out[name][:, :, position].astype(jnp.float32)  # [layers, batch, hidden]
     x = at("layers.layer_output")[-1]  # the final residual stream, [batch, hidden]
     scale = jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + final_norm.eps)  # frozen, [batch, 1]
@@ -101,7 +111,7 @@ def _dla(model, out, target, other, position, heads):
 
     # the readout direction: the gradient of the (linear) head's logit difference, one per row
     def readout(normed):
-        logits = finish(head(normed.astype(out.logits.dtype))).astype(jnp.float32)
+        logits = logits_from_norm(normed.astype(out.logits.dtype)).astype(jnp.float32)
         pick = lambda ids: jnp.take_along_axis(logits, jnp.broadcast_to(ids, (batch,))[:, None], -1)[:, 0]
         return jnp.sum(pick(target) - (0.0 if other is None else pick(other)))
 
@@ -113,18 +123,17 @@ def _dla(model, out, target, other, position, heads):
 
     per_head = None
     if heads:
-        blocks = model.blocks
-        if getattr(blocks, "attention_post_norm", None) is not None:
-            raise NotImplementedError("per-head attribution needs a block that adds o_proj's output linearly; "
-                                      "this one passes it through a post-norm (attribute attention_output instead)")
-        multiplier = getattr(blocks, "residual_multiplier", 1.0)
+        block = _head_slot(model)
         h = out[HEAD_OUTPUTS][:, :, position].astype(jnp.float32)  # [layers, batch, heads, head_dim]
-        o = blocks.attn.o.astype(jnp.float32)  # [layers, heads, head_dim, hidden]
+        o = block.attn.o.astype(jnp.float32)  # [layers, heads, head_dim, hidden]
         through_o = jnp.einsum("lbnd,lnde,be->lbn", h, o, direction)
-        per_head = through_o * multiplier
+        per_head = through_o * block.residual_multiplier
+    mixer = jnp.zeros((model.depth(),) + x.shape, jnp.float32)
+    for site in _mixer_sites(model):  # each block's mixer, whichever host it has
+        mixer = mixer.at[jnp.asarray(model.blocks_for(site))].set(at(site))
     return LogitAttribution(
         embeddings=dot(at("layers.layer_input")[0]),
-        attention=dot(at("layers.self_attn.attention_output")),
+        attention=dot(mixer),
         mlp=dot(at("layers.mlp.mlp_output")),
         heads=per_head,
         logit=logit,
@@ -150,8 +159,10 @@ def attribution_patching(
     for s in sites:
         if parse(s)[1] is not None:
             raise SiteError(f"attribution_patching takes every block of a site ('layers.X'); got {s!r}")
+    # both runs' values from one compiled program, so the difference is exactly zero where they agree
     clean_values = read(model, clean, sites, (), attention_mask).values
-    grads, corrupt_values = _gradients(model, jnp.asarray(corrupt), attention_mask, metric, sites, clean_values)
+    corrupt_values = read(model, corrupt, sites, (), attention_mask).values
+    grads = _gradients(model, jnp.asarray(corrupt), attention_mask, metric, sites, clean_values)
     result = {}
     for s in sites:
         product = grads[s].astype(jnp.float32) * (clean_values[s].astype(jnp.float32) - corrupt_values[s].astype(jnp.float32))
@@ -163,12 +174,9 @@ def attribution_patching(
 def _gradients(model, corrupt, attention_mask, metric, sites, like):
     def f(deltas):
         edits = [Add(s, deltas[s]) for s in sites]
-        out = run(model, corrupt, edits, reads=sites, attention_mask=attention_mask)
-        return metric(out.logits), out.values
+        return metric(run(model, corrupt, edits, attention_mask=attention_mask).logits)
 
-    zeros = {s: jnp.zeros_like(like[s]) for s in sites}
-    grads, values = jax.grad(f, has_aux=True)(zeros)
-    return grads, values
+    return jax.grad(f)({s: jnp.zeros_like(like[s]) for s in sites})
 
 
 def _to_grid(site: str, product: Array, heads: bool | None) -> Array:

@@ -28,7 +28,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.interventions.chunking import balanced, fit
-from jstd.interventions.edits import Set, site_axes
+from jstd.edits import Set, site_axes
+from jstd.inputs import Inputs, as_inputs
 from jstd.interventions.reading import block_entry, read
 from jstd.interventions.resume import resumable, resumed_sweep
 from jstd.run import run
@@ -55,24 +56,28 @@ def patch(
 
     ``layer`` None patches every block that has the site (or name one block as
     ``"layers.5.X"``); ``positions`` / ``heads`` select as on ``jstd.Set`` (None:
-    all). ``clean`` and ``corrupt`` have the same shape (and share
-    ``attention_mask``). Returns ``metric(logits)`` when a metric is given, the
-    patched run's ``Outputs`` otherwise.
+    all). ``clean`` and ``corrupt`` are token ids of the same shape (sharing
+    ``attention_mask``) or ``jstd.Inputs``. Returns ``metric(logits)`` when a
+    metric is given, the patched run's ``Outputs`` otherwise.
     """
     site, layer = _split(site, layer)
-    _check_pair(clean, corrupt)
-    value = read(model, clean, (site,), (), attention_mask)[site]
+    clean, corrupt = _pair(clean, corrupt, attention_mask)
+    value = read(model, clean, (site,), ())[site]
     if SITES[site].per_block and layer is not None:
         value = block_entry(model, site, value, layer)
     edit = Set(site, value, layer=layer, positions=positions, heads=heads)
-    out = read(model, corrupt, (), (edit,), attention_mask)
+    out = read(model, corrupt, (), (edit,))
     return out if metric is None else metric(out.logits)
 
 
-def _check_pair(clean, corrupt):
-    if np.shape(clean) != np.shape(corrupt):
-        raise ValueError(f"clean {np.shape(clean)} and corrupt {np.shape(corrupt)} tokens must have the same shape "
-                         "(patching is position by position)")
+def _pair(clean, corrupt, attention_mask) -> tuple[Inputs, Inputs]:
+    """Both runs' inputs (token arrays share ``attention_mask``); ValueError unless their shapes agree."""
+    clean, corrupt = (jax.tree.map(jnp.asarray, as_inputs(x, attention_mask)) for x in (clean, corrupt))
+    shapes = [jax.tree.map(np.shape, x) for x in (clean, corrupt)]
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"clean {np.shape(clean.tokens)} and corrupt {np.shape(corrupt.tokens)} inputs must have "
+                         "the same shape (patching is position by position)")
+    return clean, corrupt
 
 
 class SweepGrid(eqx.Module):
@@ -127,12 +132,9 @@ def patch_sweep(
     up to two entries.
     """
     site, _ = _split(site, None)
-    _check_pair(clean, corrupt)
-    clean, corrupt = jnp.asarray(clean), jnp.asarray(corrupt)
-    if attention_mask is not None:
-        attention_mask = jnp.asarray(attention_mask)
+    clean, corrupt = _pair(clean, corrupt, attention_mask)
     spec = SITES[site]
-    clean_values = read(model, clean, (site,), (), attention_mask)[site]
+    clean_values = read(model, clean, (site,), ())[site]
     pos_axis, head_axis = site_axes(site)
     per_block = spec.per_block
     off = 1 if per_block else 0
@@ -158,17 +160,17 @@ def patch_sweep(
     grid_p = next(columns) if pos_axis is not None else zeros
     grid_h = next(columns) if split_heads else zeros
 
-    if resumable(site):
-        out = resumed_sweep(model, clean_values, corrupt, attention_mask, site, metric, axes[0], axes[1],
+    if resumable(site) and corrupt.images is None:
+        out = resumed_sweep(model, clean_values, corrupt.tokens, corrupt.attention_mask, site, metric, axes[0], axes[1],
                             axes[2] if split_heads else [0], split_heads, memory_budget, chunk_size,
                             lambda blocks: _progress(blocks, progress, f"patching {site}"))
         return jnp.asarray(out.reshape(shape + out.shape[2:]))
 
     what = (per_block, pos_axis is not None, split_heads)
     entries_of = lambda g, start, size: SweepGrid(*(jnp.asarray(a[start:start + size]) for a in g))
-    lower = lambda size: _sweep_chunk.lower(model, corrupt, attention_mask, clean_values, metric,
+    lower = lambda size: _sweep_chunk.lower(model, corrupt, clean_values, metric,
                                             entries_of((grid_l, grid_p, grid_h), 0, size), site, what)
-    guess = chunk_size_for(model, clean.shape[0], clean.shape[1], n, memory_budget)
+    guess = chunk_size_for(model, *corrupt.tokens.shape, n, memory_budget)
     size, chunk = fit(lower, n, guess, memory_budget, chunk_size)
     chunks = math.ceil(n / size)
     pad = chunks * size - n
@@ -177,20 +179,20 @@ def patch_sweep(
     results = []
     for i in _progress(range(chunks), progress, f"patching {site}"):
         results.append(jax.block_until_ready(
-            chunk(model, corrupt, attention_mask, clean_values, metric, entries_of(padded, i * size, size), site, what)))
+            chunk(model, corrupt, clean_values, metric, entries_of(padded, i * size, size), site, what)))
     out = jnp.concatenate(results)[:n]
     return out.reshape(shape + out.shape[1:])
 
 
 @eqx.filter_jit
-def _sweep_chunk(model, corrupt, attention_mask, clean_values, metric, entries: SweepGrid, site: str, what):
+def _sweep_chunk(model, corrupt, clean_values, metric, entries: SweepGrid, site: str, what):
     per_block, has_positions, has_heads = what
 
     def one(layer, position, head):
         value = block_entry(model, site, clean_values, layer) if per_block else clean_values
         edit = Set(site, value, layer=layer if per_block else None, positions=position if has_positions else None,
                      heads=head if has_heads else None)
-        return metric(run(model, corrupt, [edit], attention_mask=attention_mask).logits)
+        return metric(run(model, corrupt, [edit]).logits)
 
     return jax.vmap(one)(entries.layers, entries.positions, entries.heads)
 

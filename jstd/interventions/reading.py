@@ -10,20 +10,24 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from jstd.interventions.edits import Edit
+from jstd.edits import Edit
+from jstd.inputs import as_inputs
 from jstd.run import run
 from jstd.sites import SITES, SiteError, parse
 
 
 @functools.partial(jax.jit, static_argnames="reads")
-def _read(model, tokens, edits, attention_mask, reads):
-    return run(model, tokens, edits, reads=reads, attention_mask=attention_mask)
+def _read(model, inputs, edits, reads):
+    return run(model, inputs, edits, reads=reads)
 
 
 def read(model, tokens, sites: Sequence[str], edits=(), attention_mask=None):
-    """``jax.jit(jstd.run)`` reading ``sites`` (one compile per set of sites and edit structure); returns the Outputs."""
-    return _read(model, jnp.asarray(tokens), tuple(edits) if not isinstance(edits, Edit) else (edits,),
-                 None if attention_mask is None else jnp.asarray(attention_mask), reads=tuple(sites))
+    """``jax.jit(jstd.run)`` reading ``sites`` (one compile per set of sites and edit structure); returns the Outputs.
+
+    ``tokens``: token ids (with ``attention_mask``), a ``jstd.Inputs`` or a processor output."""
+    inputs = as_inputs(tokens, attention_mask)
+    inputs = jax.tree.map(jnp.asarray, inputs)
+    return _read(model, inputs, tuple(edits) if not isinstance(edits, Edit) else (edits,), reads=tuple(sites))
 
 
 def block_entry(model, site: str, stacked: Array, layer) -> Array:
@@ -34,7 +38,7 @@ def block_entry(model, site: str, stacked: Array, layer) -> Array:
     host and the entry is found by block index.
     """
     blocks = model.blocks_for(parse(site)[0])
-    L = model.config.num_layers
+    L = model.depth(SITES[parse(site)[0]].stack)
     if isinstance(layer, (int, np.integer)):
         layer = int(layer) % L
         if layer not in blocks:

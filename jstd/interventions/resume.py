@@ -26,7 +26,7 @@ import numpy as np
 
 from jstd.context import Context
 from jstd.interventions.chunking import fit
-from jstd.interventions.edits import Set, site_axes
+from jstd.edits import Set, site_axes
 from jstd.interventions.metrics import PositionMetric
 from jstd.interventions.reading import block_entry, read
 from jstd.run import run

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PyTree
 
 from jstd.interventions.ablation import site_mean
-from jstd.interventions.edits import Add, site_axes
+from jstd.edits import Add, site_axes
 from jstd.sites import SITES, parse
 
 

@@ -38,7 +38,7 @@ def default_dtype(hf):
 
 def _get(tree, path: str):
     for part in path.split("."):
-        tree = getattr(tree, part)
+        tree = tree[int(part)] if part.isdigit() else getattr(tree, part)
     return tree
 
 
@@ -60,9 +60,9 @@ def load(path_or_repo_id, *, dtype=None):
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype(hf)
     files = SafetensorsFiles(folder)
     skeleton = family.skeleton(hf, dtype)
-    entries = [e for e in family.name_map(hf) if _get(skeleton, e.path) is not None]
-    num_layers = family.standard_config(hf).num_layers
-    expected = {k.format(i=i) for e in entries for k in e.keys for i in (e.rows(num_layers) if e.stacked else [0])}
+    prefix = family.stored_prefix(files.keys())
+    entries = [e.under(prefix, "") for e in family.name_map(hf, skeleton) if _get(skeleton, e.path) is not None]
+    expected = {k.format(i=i) for e in entries for k in e.keys for i in (e.blocks if e.stacked else [0])}
     missing = sorted(expected - files.keys())
     if missing:
         raise CheckpointError(
@@ -70,14 +70,15 @@ def load(path_or_repo_id, *, dtype=None):
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
             + f" (the {family.family} name map expects it; files: {', '.join(sorted({files.where(k) for k in files.keys()}))})"
         )
-    extra = sorted(k for k in files.keys() - expected if not any(_matches(k, pat) for pat in family.ignored(hf)))
+    ignored = [prefix + pattern for pattern in family.ignored(hf)]
+    extra = sorted(k for k in files.keys() - expected if not any(_matches(k, pat) for pat in ignored))
     if extra:
         raise CheckpointError(
             f"unexpected tensor {extra[0]!r} in {files.where(extra[0])}"
             + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
             + f": the {family.family} family has no parameter for it (is the config's model_type right?)"
         )
-    leaves = [_read(files, e, _get(skeleton, e.path), num_layers) for e in entries]
+    leaves = [_read(files, e, _get(skeleton, e.path)) for e in entries]
     model = _replace(skeleton, [e.path for e in entries], leaves)
     unfilled = [p for p, leaf in _paths(model) if isinstance(leaf, jax.ShapeDtypeStruct)]
     if unfilled:
@@ -91,11 +92,11 @@ def _matches(key: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(key, pattern)
 
 
-def _read(files: SafetensorsFiles, entry, leaf: jax.ShapeDtypeStruct, num_layers: int):
+def _read(files: SafetensorsFiles, entry, leaf: jax.ShapeDtypeStruct):
     """One parameter, all its blocks, in one aligned buffer that the CPU device adopts without a copy."""
     buf = _aligned(leaf.shape, np.dtype(leaf.dtype))
     if entry.stacked:
-        for row, i in enumerate(entry.rows(num_layers)):
+        for row, i in enumerate(entry.blocks):
             buf[row] = _checked(files, entry, [k.format(i=i) for k in entry.keys], leaf.shape[1:])
     else:
         buf[...] = _checked(files, entry, list(entry.keys), leaf.shape)

@@ -31,11 +31,14 @@ class Entry:
 
     @property
     def stacked(self) -> bool:
+        """A stacked entry's key holds ``{i}``; its rows are the blocks ``blocks`` names, in order."""
         return any("{i}" in k for k in self.keys)
 
-    def rows(self, num_layers: int) -> tuple[int, ...]:
-        """The block indices that fill a stacked entry's rows, in order."""
-        return tuple(range(num_layers)) if self.blocks is None else tuple(self.blocks)
+    def under(self, key: str, path: str) -> "Entry":
+        """The entry with ``key`` prefixed to its stored names and ``path`` to its parameter path (a fragment
+        of a module's map placed in a model)."""
+        keys = tuple(key + k for k in self.keys)
+        return dataclasses.replace(self, key=keys[0] if isinstance(self.key, str) else keys, path=path + self.path)
 
 
 def linear(w):

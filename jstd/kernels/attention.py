@@ -35,14 +35,15 @@ def positions_and_mask(
 
 def scores(
     q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], scale: float,
-    mask: Bool[Array, "batch 1 q k"],
+    mask: Bool[Array, "batch 1 q k"] | None,
 ) -> Float[Array, "batch heads q k"]:
-    """scale · q·kᵀ, masked entries set to the dtype's minimum (as transformers' eager attention)."""
+    """scale · q·kᵀ, masked entries set to the dtype's minimum (as transformers' eager attention); ``mask``
+    None attends everywhere (a vision tower)."""
     b, h, t, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, h // kv, t, d)
     s = jnp.einsum("bkgqd,bksd->bkgqs", qg, k).reshape(b, h, t, k.shape[2]) * jnp.asarray(scale, q.dtype)
-    return jnp.where(mask, s, jnp.finfo(s.dtype).min)
+    return s if mask is None else jnp.where(mask, s, jnp.finfo(s.dtype).min)
 
 
 def probabilities(scores: Float[Array, "batch heads q k"]) -> Float[Array, "batch heads q k"]:
@@ -60,7 +61,7 @@ def mix(p: Float[Array, "batch heads q k"], v: Float[Array, "batch kv_heads k di
 
 def fused(
     q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], v: Float[Array, "batch kv_heads k dim"],
-    scale: float, mask: Bool[Array, "batch 1 q k"],
+    scale: float, mask: Bool[Array, "batch 1 q k"] | None,
 ) -> Float[Array, "batch q heads dim"]:
     """The same function through ``jax.nn.dot_product_attention`` (cuDNN/flash where available)."""
     t = lambda x: jnp.swapaxes(x, 1, 2)

@@ -1,12 +1,13 @@
-"""What every family shares: the model protocol, parameter fields with logical axes."""
+"""What every model shares: the loaded-model protocol, family declarations, parameter fields with logical axes."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from jstd.config import ModelConfig
 
@@ -25,6 +26,10 @@ def stacked():
     return eqx.field(metadata={"stacked": True})
 
 
+def shape(*dims, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(dims), dtype)
+
+
 def logical_axes(module: eqx.Module):
     """A pytree shaped like ``module`` whose leaves are ``PartitionSpec``s of logical axis names.
 
@@ -32,19 +37,19 @@ def logical_axes(module: eqx.Module):
     and so on. A sharding rule maps these names to mesh axes, so families never
     change when sharding is added.
     """
-    import dataclasses
-
     from jax.sharding import PartitionSpec
 
     def spec(path, leaf):
         node, prefix, axes = module, (), None
         for key in path:
-            name = key.name
-            field = {f.name: f for f in dataclasses.fields(node)}[name]
+            if isinstance(key, jax.tree_util.SequenceKey):
+                node = node[key.idx]
+                continue
+            field = {f.name: f for f in dataclasses.fields(node)}[key.name]
             if field.metadata.get("stacked"):
                 prefix += ("layers",)
             axes = field.metadata.get("axes")
-            node = getattr(node, name)
+            node = getattr(node, key.name)
         if axes is None:
             raise ValueError(f"parameter {jax.tree_util.keystr(path)} declares no logical axes")
         return PartitionSpec(*(prefix + axes))
@@ -52,85 +57,96 @@ def logical_axes(module: eqx.Module):
     return jax.tree_util.tree_map_with_path(spec, module)
 
 
-class Family(eqx.Module):
-    """A loaded model. Subclasses are families: data (arrays) plus a forward.
+class Model(eqx.Module):
+    """A loaded model: a composition of stacks (``stacks``: prefix -> ``Stack``) and the parts around them.
 
-    A family declares the ``model_types`` it serves, the ``sites`` it computes
-    (with reasons for the standard sites it does not), a ``skeleton`` whose
-    leaves are the parameters' shapes, a ``name_map`` from HuggingFace keys to
-    that tree, and a ``forward`` that passes every standard value through taps.
+    ``family`` names the family that built it; ``model_sites`` are the sites it
+    computes outside its stacks; ``sites`` adds every stack's block sites. The
+    forward takes a ``jstd.Inputs`` and a tap and returns ``(logits or None,
+    reads)``.
     """
 
     config: ModelConfig = eqx.field(static=True)
+    family: str = eqx.field(static=True)
+
+    model_sites: ClassVar[frozenset[str]] = frozenset()
+
+    @property
+    def stacks(self) -> dict:
+        """The model's stacks of blocks by prefix (``{"layers": Stack}``)."""
+        raise NotImplementedError
+
+    @property
+    def sites(self) -> frozenset[str]:
+        """Every site the model serves."""
+        return self.model_sites.union(*(stack.sites() for stack in self.stacks.values()))
+
+    def forward(self, inputs, tap, context=None):
+        """``(logits or None, reads)``: the recorded sites by whole name (block sites stacked as ``Stack`` says)."""
+        raise NotImplementedError
+
+    def check_inputs(self, inputs) -> None:
+        """Raise ValueError where ``inputs`` (a ``jstd.Inputs``) do not fit the model (static checks)."""
+
+    def depth(self, stack: str = "layers") -> int:
+        """The number of blocks of ``stack``."""
+        return self.stacks[stack].depth
+
+    def blocks_for(self, site: str) -> tuple[int, ...]:
+        """The blocks that compute the block site ``site`` (whole name, no index), in order."""
+        from jstd.sites import SITES
+
+        stack = self.stacks.get(SITES[site].stack)
+        return () if stack is None else stack.blocks_for(site)
+
+    def layers_with(self, host: str, stack: str = "layers") -> tuple[int, ...]:
+        """The indices of ``stack``'s blocks that have ``host`` (``self_attn``, ``mlp``, ``linear_attn``)."""
+        return self.stacks[stack].layers_with(host) if stack in self.stacks else ()
+
+    def unavailable(self, site: str) -> str:
+        """Why this model does not serve ``site`` (nnterp's 'Unavailable')."""
+        from jstd.sites import SITES
+
+        spec = SITES[site]
+        if spec.family and spec.family != self.family:
+            return f"{site} is specific to the {spec.family} family"
+        if spec.stack is not None and spec.stack not in self.stacks:
+            what = "vision tower" if spec.stack.startswith("vision") else "text model"
+            return f"this {self.family} model has no {what} (no {spec.stack} stack)"
+        if spec.stack is not None and spec.host != spec.stack:
+            host = spec.host[len(spec.stack) + 1:]
+            if not self.layers_with(host, spec.stack):
+                return f"{self.family} blocks have no {host}"
+        root = site.split(".")[0]
+        if root in ("vision", "projector") and "vision.layers" not in self.stacks:
+            return f"{self.family} is a text model: it has no vision tower or projector"
+        if root not in ("vision", "projector") and "layers" not in self.stacks:
+            return f"a {self.family} model is a vision tower alone: it has no text model (read vision.* values)"
+        return f"{self.family} does not compute {site}"
+
+    def project_on_vocab(self, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
+        raise NotImplementedError(f"a {self.family} model has no head to project on")
+
+    def readout(self):
+        """``(final_norm, logits_from_norm)`` for direct logit attribution; raises where there is no head."""
+        raise NotImplementedError(f"direct logit attribution needs a final norm and a head; a {self.family} "
+                                  "model has none")
+
+
+class Family:
+    """A family's declaration: the ``model_types`` it serves and how to build its model from a transformers
+    config — the standard sizes, a ``skeleton`` whose leaves are the parameters' shapes, the ``name_map``
+    from HuggingFace keys to that tree, and the checkpoint tensors it knowingly ``ignored``."""
 
     family: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
-    sites: ClassVar[frozenset[str]]
-
-    def forward(self, tokens: Int[Array, "batch seq"], tap, attention_mask, context=None):
-        """``(logits, reads)``: logits ``[batch, seq, vocab]`` and the recorded base sites.
-
-        ``context``: a ``jstd.Context`` the tokens continue (None: they start at position 0)."""
-        raise NotImplementedError
-
-    def project_on_vocab(self, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
-        """Final norm, head and whatever follows the head: the logit lens (exact at the last block)."""
-        return self.logits_from_norm(self.final_norm(hidden))
-
-    def logits_from_norm(self, normed: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
-        """The logits from ``final_norm_output``: the head and whatever the family does after it."""
-        raise NotImplementedError
-
-    def layers_with(self, host: str) -> tuple[int, ...]:
-        """The indices of the blocks that have ``host`` (``self_attn``, ``mlp``, ``linear_attn``)."""
-        raise NotImplementedError
-
-    def blocks_for(self, site: str) -> tuple[int, ...]:
-        """The blocks that compute the block site ``site`` (its host's blocks), in order."""
-        from jstd.sites import SITES
-
-        host = SITES[site].host
-        if host == "layers":
-            return tuple(range(self.config.num_layers))
-        return tuple(self.layers_with(host.split(".", 1)[1])) if host.startswith("layers.") else ()
-
-    def unavailable(self, site: str) -> str:
-        """Why this family does not serve ``site`` (nnterp's 'Unavailable')."""
-        from jstd.sites import SITES
-
-        host = SITES[site].host
-        if SITES[site].family and SITES[site].family != self.family:
-            return f"{site} is specific to the {SITES[site].family} family"
-        if host.startswith("layers.") and not self.layers_with(host.split(".", 1)[1]):
-            return f"{self.family} blocks have no {host.split('.', 1)[1]}"
-        if host.split(".")[0] in ("vision", "projector"):
-            return f"{self.family} is a text model: it has no vision tower or projector"
-        return f"{self.family} does not compute {site}"
 
     @classmethod
     def standard_config(cls, hf) -> ModelConfig:
-        """The standard sizes from a transformers config with the usual attribute names."""
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        return ModelConfig(
-            model_type=hf.model_type,
-            num_layers=hf.num_hidden_layers,
-            hidden_size=hf.hidden_size,
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=head_dim,
-            qk_head_dim=head_dim,
-            vocab_size=hf.vocab_size,
-            intermediate_size=hf.intermediate_size,
-            layer_types=cls.layer_types(hf),
-        )
+        raise NotImplementedError
 
     @classmethod
-    def layer_types(cls, hf) -> tuple[str, ...]:
-        """Each block's kind; every block is ``full_attention`` unless the family says otherwise."""
-        return ("full_attention",) * hf.num_hidden_layers
-
-    @classmethod
-    def skeleton(cls, hf, dtype) -> "Family":
+    def skeleton(cls, hf, dtype) -> Model:
         """The model with ``jax.ShapeDtypeStruct`` leaves (the shapes the loader fills)."""
         raise NotImplementedError
 
@@ -144,6 +160,7 @@ class Family(eqx.Module):
         """Patterns (fnmatch) of checkpoint tensors the family knowingly does not use."""
         return ()
 
-
-def shape(*dims, dtype) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(dims), dtype)
+    @classmethod
+    def stored_prefix(cls, keys) -> str:
+        """The prefix of every name-map key in a checkpoint holding ``keys`` (none by default)."""
+        return ""

@@ -12,7 +12,7 @@ mask, ``x`` is zeroed at padded positions first (transformers'
 ``apply_mask_to_padding_states``): with left padding the state stays exactly
 zero through the padding, so a padded row equals its unpadded prompt.
 
-Taps (``layers.linear_attn.*``), in order: ``attention_queries``,
+Taps (``linear_attn.*``, relative to the block), in order: ``attention_queries``,
 ``attention_keys`` ``[batch, seq, qk_heads, key_dim]`` (after the convolution
 and its SiLU, before the kernel's l2 norm), ``attention_values``
 ``[batch, seq, heads, value_dim]``, ``decays``, ``betas`` ``[batch, seq,
@@ -35,10 +35,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from jstd.kernels.gated_delta import chunk_gated_delta_rule
+from jstd.io.namemap import Entry, linear, split_in, split_out
 from jstd.models.base import param, shape
-from jstd.models.layers import GatedMLP, PreNormBlock, RMSNorm, activation
+from jstd.models.layers import RMSNorm, activation
+from jstd.tap import Taps
 
-SITE = "layers.linear_attn."
+SITE = "linear_attn."
 
 
 def causal_conv(x: Float[Array, "batch seq heads dim"], w: Float[Array, "width heads dim"],
@@ -68,7 +70,7 @@ class HeadRMSNorm(RMSNorm):
 
 
 class GatedDeltaNet(eqx.Module):
-    """The gated DeltaNet mixer; called as ``mixer(x, cos_sin, mask, s)`` like softmax attention.
+    """The gated DeltaNet mixer; called as ``mixer(x, (cos_sin, mask), s, past)`` like softmax attention.
 
     ``cos_sin`` is unused (the delta rule has no positions); ``mask`` is the
     ``[batch, seq]`` padding mask (True: a real token) or None. ``past``
@@ -95,7 +97,19 @@ class GatedDeltaNet(eqx.Module):
     allow_neg_eigval: bool = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True, default=32)  # the chunked kernel's fastest on CPU (docs/benchmarks.md)
 
-    def __call__(self, x: Float[Array, "batch seq embed"], cos_sin, mask: Bool[Array, "batch seq"] | None, s, past=None):
+    host: ClassVar[str] = "linear_attn"
+    sites: ClassVar[tuple[str, ...]] = (
+        "attention_queries", "attention_keys", "attention_values", "decays", "betas", "state_input", "states",
+        "state_output", "attention_head_outputs",
+    )
+
+    @property
+    def conv_width(self) -> int:
+        """The convolutions' width (``linear_conv_kernel_dim``)."""
+        return self.q_conv.shape[-3]
+
+    def __call__(self, x: Float[Array, "batch seq embed"], args, s: Taps, past=None):
+        _, mask = args
         if mask is not None:
             x = x * mask[..., None].astype(x.dtype)
         act = activation(self.act)
@@ -132,6 +146,29 @@ class GatedDeltaNet(eqx.Module):
         y = (self.o_norm(y).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(y.dtype)
         return jnp.einsum("bthd,hde->bte", y, self.o)
 
+    def entries(self, names=None) -> list[Entry]:
+        """transformers' names. The q, k and v convolutions are one depthwise conv1d in transformers;
+        checkpoints store it in three parts (``q_conv1d``, ``k_conv1d``, ``v_conv1d``: split as q|k|v in
+        OLMo-core's files, in equal thirds when transformers saved them), so the parts are concatenated and
+        split by q|k|v channels."""
+        width, Hk, dk = self.q_conv.shape[-3:]
+        Hv = self.v_conv.shape[-2]
+        key_dim = Hk * dk
+        parts = tuple(f"{x}_conv1d.weight" for x in "qkv")
+
+        def conv(start, stop, heads):  # [q|k|v channels, 1, width] -> [width, heads, dim]
+            return lambda w: w[start:stop, 0, :].T.reshape(width, heads, -1)
+
+        return [
+            Entry("q_proj.weight", "q", split_out(Hk)), Entry("k_proj.weight", "k", split_out(Hk)),
+            Entry("v_proj.weight", "v", split_out(Hv)),
+            Entry(parts, "q_conv", conv(0, key_dim, Hk)), Entry(parts, "k_conv", conv(key_dim, 2 * key_dim, Hk)),
+            Entry(parts, "v_conv", conv(2 * key_dim, None, Hv)),
+            Entry("a_proj.weight", "a", linear), Entry("b_proj.weight", "b", linear),
+            Entry("A_log", "A_log"), Entry("dt_bias", "dt_bias"), Entry("g_proj.weight", "gate", split_out(Hv)),
+            Entry("o_norm.weight", "o_norm.weight"), Entry("o_proj.weight", "o", split_in(Hv)),
+        ]
+
     @classmethod
     def skeleton(cls, embed, qk_heads, heads, key_dim, value_dim, width, act, allow_neg_eigval, norm_eps, dtype):
         return cls(
@@ -146,14 +183,3 @@ class GatedDeltaNet(eqx.Module):
             shape(heads, value_dim, embed, dtype=dtype),
             act, bool(allow_neg_eigval),
         )
-
-
-class DeltaNetBlock(PreNormBlock):
-    """Llama's pre-norm block with a gated DeltaNet mixer: h = x + linear_attn(norm(x)); out = h + mlp(norm(h))."""
-
-    attention_norm: RMSNorm
-    attn: GatedDeltaNet
-    mlp_norm: RMSNorm
-    mlp: GatedMLP
-
-    mixer: ClassVar[str] = "linear_attn"

@@ -1,27 +1,31 @@
-"""Running a stack of blocks under ``lax.scan``, one repeating period of block kinds per step.
+"""A stack of blocks run under ``lax.scan``, one repeating period of block kinds per step.
 
-A model's blocks each have a *kind* (``config.layer_types``: ``full_attention``
-on every Llama block; ``linear_attention`` and ``full_attention`` on a hybrid).
-Each kind's blocks are stacked on a leading axis, in block order. The stack
-runs as the shortest period ``P`` with ``kinds[i] == P[i % len(P)]``: a
-``lax.scan`` over the ``n = len(kinds) // len(P)`` whole periods whose body runs
-the ``len(P)`` blocks of one period in order (the kinds' parameters reshaped to
-``[n, per_period, ...]``), then the tail (the first ``len(kinds) % len(P)``
-blocks of ``P``) once more, unrolled. Compile time depends on the period, not
-on the depth. (A list of kinds with no shorter repetition is its own period.)
+Each block has a *kind* (``config.layer_types``: ``full_attention`` on every
+Llama block; ``linear_attention`` and ``full_attention`` on a hybrid). The
+stack runs as the shortest period ``P`` with ``kinds[i] == P[i % len(P)]``
+and stores one stacked block per *slot* of the period: ``slots[q]`` holds
+blocks ``q, q + p, q + 2p, …`` on a leading axis. A ``lax.scan`` over the
+``n = depth // p`` whole periods runs slot 0 … p-1 at row ``j``, then the tail
+(the first ``depth % p`` slots at row ``n``) runs once more, unrolled. Compile
+time depends on the period, not on the depth.
 
-Each block gets a scope whose taps know, for every site, the block's index
-among the blocks the site's values are stacked over (``blocks_for(site)``), so
-stacked edits index the right row. The recorded reads come back reassembled in
-block order: ``reads["layers.X"]`` is stacked over ``blocks_for("layers.X")``.
+A stack has a prefix (``layers``, ``vision.layers``): its blocks tap relative
+names and the stack makes them whole. A block site is served by the blocks
+whose slot computes it (``blocks_for``); its reads come back stacked over
+those blocks in block order, and stacked edits index the right row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Mapping, Sequence
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+
+from jstd.io.namemap import Entry
+from jstd.models.base import stacked
 
 
 def period_of(kinds: Sequence[str]) -> int:
@@ -31,26 +35,28 @@ def period_of(kinds: Sequence[str]) -> int:
 
 
 class BlockScope:
-    """The taps of one block: one ``tap.scope`` per group of blocks a site is stacked over.
+    """The taps of one block: one ``tap.scope`` per group of slots a site is stacked over.
 
-    ``stack_index(group_kinds)`` gives the block's (possibly traced) index among
-    the blocks whose kind is in ``group_kinds``.
+    ``stack_index(group)`` gives the block's (possibly traced) index among the
+    blocks of the slots in ``group``.
     """
 
-    def __init__(self, tap, layer, group_of: Callable[[str], frozenset], stack_index: Callable[[frozenset], object]):
+    def __init__(self, tap, prefix: str, layer, group_of: Callable[[str], frozenset],
+                 stack_index: Callable[[frozenset], object]):
         self.tap = tap
+        self.prefix = prefix
         self.layer = layer
         self._group_of = group_of
         self._stack_index = stack_index
         self._scopes: dict[frozenset, object] = {}
 
     def touches(self, *sites: str) -> bool:
-        return self.tap.touches(*sites)
+        return self.tap.touches(*(self.prefix + s for s in sites))
 
     def __call__(self, site: str, value):
-        group = self._group_of(site)
+        group = self._group_of(self.prefix + site)
         if group not in self._scopes:
-            self._scopes[group] = self.tap.scope(layer=self.layer, stack_index=self._stack_index(group))
+            self._scopes[group] = self.tap.scope(self.prefix, self.layer, self._stack_index(group))
         return self._scopes[group](site, value)
 
     @property
@@ -58,131 +64,160 @@ class BlockScope:
         return {k: v for scope in self._scopes.values() for k, v in scope.records.items()}
 
 
-def scan_period(
-    h,
-    tap,
-    kinds: Sequence[str],
-    stacks: Mapping[str, object],
-    args: Mapping[str, tuple],
-    blocks_for: Callable[[str], Sequence[int]],
-    pasts: Mapping[str, object] | None = None,
-    first=None,
-):
-    """Run every block over ``h`` in order; return ``(h, reads)``.
+class Stack(eqx.Module):
+    """Blocks stored by period slot (``slots[q]``: blocks ``q, q + p, …`` stacked), run in block order.
 
-    kinds: each block's kind, in block order.
-    stacks: kind -> that kind's blocks stacked on a leading axis, in block order;
-        a block is called as ``block(h, *args[kind], scope)`` and returns the new h.
-    blocks_for: site -> the blocks its values are stacked over; each such set
-        must be all the blocks of some kinds.
-    pasts: kind -> what earlier positions left for each of that kind's blocks
-        (a pytree stacked like ``stacks[kind]``); a block with one is called as
-        ``block(h, *args[kind], scope, past=its entry)``.
-    first: the first block to run (an int or a traced int; None: block 0).
-        Blocks before it pass ``h`` through (``lax.cond``; under a ``vmap``
-        over ``first`` both branches run) and their reads are zeros.
-
-    The reads: site -> its value stacked over ``blocks_for(site)``; for a site
-    read at single blocks only (``tap.single``), site -> ``{block: value}``.
-
-    Raises ValueError when a stack's length does not match the kinds, or when a
-    site's blocks are not all the blocks of some kinds.
+    kinds: each block's kind, in block order. prefix: the stack's name (``layers``).
     """
-    kinds = tuple(kinds)
-    L = len(kinds)
-    p = period_of(kinds)
-    n, tail = divmod(L, p)
-    pattern = kinds[:p]
-    for kind, blocks in stacks.items():
-        rows = jax.tree.leaves(blocks)[0].shape[0]
-        if rows != kinds.count(kind):
-            raise ValueError(f"{rows} stacked {kind} blocks, but the layer types have {kinds.count(kind)}")
-    rank = [pattern[:q].count(pattern[q]) for q in range(p)]  # a block's index among its kind in a period
 
-    groups: dict[str, frozenset] = {}
+    slots: tuple = stacked()
+    kinds: tuple[str, ...] = eqx.field(static=True)
+    prefix: str = eqx.field(static=True)
 
-    def group_of(site: str) -> frozenset:
-        if site not in groups:
-            blocks = tuple(blocks_for(site))
-            group = frozenset(kinds[i] for i in blocks)
-            if blocks != tuple(i for i, k in enumerate(kinds) if k in group):
-                raise ValueError(f"{site} is stacked over blocks {list(blocks)}, which are not all the blocks of some kinds")
-            groups[site] = group
-        return groups[site]
+    @property
+    def depth(self) -> int:
+        return len(self.kinds)
 
-    per_period = {kind: pattern.count(kind) for kind in stacks}
-    pasts = pasts or {}
-    bundles = {kind: (stacks[kind], pasts.get(kind)) for kind in stacks}
+    @property
+    def period(self) -> int:
+        return len(self.slots)
 
-    def run_period(h, j, width):
-        """Blocks ``j * p + q`` for q < width (``j`` traced inside the scan, an int for the tail)."""
-        records = []
-        for q in range(width):
-            kind = pattern[q]
-            # index the whole stacks: reshaping them per period would copy every weight (XLA does not
-            # treat the [n, 1, ...] reshape as a bitcast), indexing them in the loop copies one block
-            index = j * per_period[kind] + rank[q]
-            block, past = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), bundles[kind])
+    def blocks_for(self, site: str) -> tuple[int, ...]:
+        """The blocks that compute block site ``site`` (a whole name in this stack), in order."""
+        rel = site[len(self.prefix) + 1:]
+        return tuple(i for i in range(self.depth) if rel in self.slots[i % self.period].sites())
 
-            def stack_index(group, q=q):
-                return j * sum(k in group for k in pattern) + sum(k in group for k in pattern[:q])
+    def layers_with(self, host: str) -> tuple[int, ...]:
+        """The blocks that have ``host`` (``self_attn``, ``linear_attn``, ``mlp``; ``""``: every block)."""
+        return tuple(i for i in range(self.depth) if self.slots[i % self.period].has(host))
 
-            def step(h, q=q, kind=kind, block=block, past=past, stack_index=stack_index):
-                s = BlockScope(tap, j * p + q, group_of, stack_index)
-                h = block(h, *args[kind], s) if past is None else block(h, *args[kind], s, past=past)
-                return h, s.records
+    def sites(self) -> frozenset[str]:
+        """Every block site some block of the stack computes, by whole name."""
+        return frozenset(f"{self.prefix}.{rel}" for slot in self.slots for rel in slot.sites())
 
-            h, block_records = step(h) if first is None else _from_block(first, j * p + q, step, h)
-            records.append(block_records)
-        return h, records
+    def slot_with(self, host: str):
+        """The (stacked) slot whose blocks have ``host``, None if none has (the first such slot)."""
+        return next((slot for slot in self.slots if slot.has(host)), None)
 
-    # sites read at single blocks only ("layers.5.X"): kept in the scan's carry, not stacked over every block
-    single = tap.single
+    def __call__(self, h, tap, args: Mapping[str, tuple], pasts: Mapping[str, object] | None = None, first=None):
+        """Run every block over ``h`` in order; return ``(h, reads)``.
 
-    def keep(kept, records, j):
-        """Move the single-block reads out of ``records`` (blocks ``j * p + q``; ``j`` an int on the tail)
-        into ``kept``."""
-        kept = dict(kept)
-        for q, r in enumerate(records):
-            for site in [site for site in r if site in single]:
-                value = r.pop(site)
-                for i in single[site]:
-                    if isinstance(j, int) and i == j * p + q:
-                        kept[site, i] = value
-                    elif not isinstance(j, int) and i % p == q and i < n * p:
-                        kept[site, i] = jnp.where(j == i // p, value, kept[site, i])
-        return kept
+        args: mixer host -> the arguments its mixer takes after the normed stream
+            (``{"self_attn": (cos_sin, mask)}``).
+        pasts: mixer host -> what earlier positions left for each block with it
+            (a pytree stacked over ``layers_with(host)``); such a block is
+            called with ``past=`` its entry.
+        first: the first block to run (an int or a traced int; None: block 0).
+            Blocks before it pass ``h`` through (``lax.cond``; under a ``vmap``
+            over ``first`` both branches run) and their reads are zeros.
 
-    kept = {}
-    if single:
-        shapes = jax.eval_shape(lambda h: run_period(h, 0, p)[1], h)
-        kept = {(site, i): jnp.zeros(shapes[i % p][site].shape, shapes[i % p][site].dtype)
-                for site, blocks in single.items() for i in blocks if i < n * p}
+        The reads: site -> its value stacked over ``blocks_for(site)``; for a
+        site read at single blocks only (``tap.single``), site -> ``{block: value}``.
+        """
+        p, L = self.period, self.depth
+        n, tail = divmod(L, p)
+        prefix = self.prefix + "."
+        pasts = pasts or {}
+        groups: dict[str, frozenset] = {}
 
-    def body(carry, j):
-        h, kept = carry
-        h, records = run_period(h, j, p)
-        return (h, keep(kept, records, j)), records
+        def group_of(site: str) -> frozenset:
+            if site not in groups:
+                rel = site[len(prefix):]
+                groups[site] = frozenset(q for q in range(p) if rel in self.slots[q].sites())
+            return groups[site]
 
-    (h, kept), period_reads = jax.lax.scan(body, (h, kept), jnp.arange(n))
-    tail_reads = []
-    if tail:
-        h, tail_reads = run_period(h, n, tail)
-        kept = keep(kept, tail_reads, n)
+        def index_in(group, j, q):
+            return j * len(group) + sum(g < q for g in group)
 
-    reads = {}
-    for site, i in kept:
-        reads.setdefault(site, {})[i] = kept[site, i]
-    for site in {site for r in period_reads + tail_reads for site in r} - set(reads):
-        parts = [r[site] for r in period_reads if site in r]  # each [n, ...], one per position in the period
-        value = parts[0] if len(parts) == 1 else jnp.stack(parts, axis=1).reshape(n * len(parts), *parts[0].shape[1:])
-        extra = [r[site] for r in tail_reads if site in r]
-        if extra:
-            value = jnp.concatenate([value, jnp.stack(extra)])
-        if value.shape[0] != len(blocks_for(site)):
-            raise ValueError(f"{site}: {value.shape[0]} blocks recorded it, but it is stacked over {len(blocks_for(site))}")
-        reads[site] = value
-    return h, reads
+        def run_period(h, j, width):
+            """Blocks ``j * p + q`` for q < width (``j`` traced inside the scan, an int for the tail)."""
+            records = []
+            for q in range(width):
+                block = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), self.slots[q])
+                host = block.attn.host
+                past = pasts.get(host)
+                if past is not None:
+                    row = index_in(frozenset(g for g in range(p) if self.slots[g].has(host)), j, q)
+                    past = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, keepdims=False), past)
+
+                def step(h, q=q, block=block, past=past, host=host):
+                    s = BlockScope(tap, prefix, j * p + q, group_of, lambda group, q=q: index_in(group, j, q))
+                    h = block(h, args[host], s, past)
+                    return h, s.records
+
+                h, block_records = step(h) if first is None else _from_block(first, j * p + q, step, h)
+                records.append(block_records)
+            return h, records
+
+        # sites read at single blocks only ("layers.5.X"): kept in the scan's carry, not stacked over every block
+        single = {site: blocks for site, blocks in tap.single.items() if site.startswith(prefix)}
+
+        def keep(kept, records, j):
+            """Move the single-block reads out of ``records`` (blocks ``j * p + q``; ``j`` an int on the tail)
+            into ``kept``."""
+            kept = dict(kept)
+            for q, r in enumerate(records):
+                for site in [site for site in r if site in single]:
+                    value = r.pop(site)
+                    for i in single[site]:
+                        if isinstance(j, int) and i == j * p + q:
+                            kept[site, i] = value
+                        elif not isinstance(j, int) and i % p == q and i < n * p:
+                            kept[site, i] = jnp.where(j == i // p, value, kept[site, i])
+            return kept
+
+        kept = {}
+        if single:
+            shapes = jax.eval_shape(lambda h: run_period(h, 0, p)[1], h)
+            kept = {(site, i): jnp.zeros(shapes[i % p][site].shape, shapes[i % p][site].dtype)
+                    for site, blocks in single.items() for i in blocks if i < n * p}
+
+        def body(carry, j):
+            h, kept = carry
+            h, records = run_period(h, j, p)
+            return (h, keep(kept, records, j)), records
+
+        (h, kept), period_reads = jax.lax.scan(body, (h, kept), jnp.arange(n))
+        tail_reads = []
+        if tail:
+            h, tail_reads = run_period(h, n, tail)
+            kept = keep(kept, tail_reads, n)
+
+        reads = {}
+        for site, i in kept:
+            reads.setdefault(site, {})[i] = kept[site, i]
+        for site in {site for r in period_reads + tail_reads for site in r} - set(reads):
+            parts = [r[site] for r in period_reads if site in r]  # each [n, ...], one per slot that has it
+            value = parts[0] if len(parts) == 1 else jnp.stack(parts, axis=1).reshape(n * len(parts), *parts[0].shape[1:])
+            extra = [r[site] for r in tail_reads if site in r]
+            if extra:
+                value = jnp.concatenate([value, jnp.stack(extra)])
+            reads[site] = value
+        return h, reads
+
+    # ---- building --------------------------------------------------------------
+    @classmethod
+    def skeleton(cls, prefix: str, kinds: Sequence[str], block: Callable[[str], object]) -> "Stack":
+        """The stack of ``kinds`` whose block of each kind is ``block(kind)`` (a skeleton), stacked by slot."""
+        kinds = tuple(kinds)
+        p = period_of(kinds)
+        slots = tuple(
+            jax.tree.map(lambda a: jax.ShapeDtypeStruct((len(range(q, len(kinds), p)),) + a.shape, a.dtype), block(kinds[q]))
+            for q in range(p)
+        )
+        return cls(slots, kinds, prefix)
+
+    def name_map(self, path: str, key: str, names: Callable[[str], dict]) -> list[Entry]:
+        """The entries of every slot: ``key`` is the checkpoint's block prefix with ``{i}``
+        (``model.layers.{i}.``), ``path`` the stack's path in the model, ``names(kind)`` a block's
+        HuggingFace module names (``Block.entries``)."""
+        entries = []
+        for q, slot in enumerate(self.slots):
+            rows = tuple(range(q, self.depth, self.period))
+            for e in slot.entries(names(self.kinds[q])):
+                entries.append(dataclasses.replace(
+                    e.under(key, f"{path}.slots.{q}."), blocks=rows))
+        return entries
 
 
 def _from_block(first, layer, step, h):
@@ -190,14 +225,3 @@ def _from_block(first, layer, step, h):
     shapes = jax.eval_shape(step, h)[1]
     skip = lambda h: (h, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
     return jax.lax.cond(layer >= first, step, skip, h)
-
-
-def scan_blocks(blocks, h, tap, body_args, blocks_for=None, past=None, first=None):
-    """Run stacked ``blocks`` of one kind over ``h`` (one block per scan step); returns (h, stacked reads).
-
-    ``past`` (stacked like ``blocks``) and ``first`` as in ``scan_period``.
-    """
-    num = jax.tree.leaves(blocks)[0].shape[0]
-    every = tuple(range(num))
-    return scan_period(h, tap, ("block",) * num, {"block": blocks}, {"block": tuple(body_args)},
-                       blocks_for or (lambda site: every), None if past is None else {"block": past}, first)

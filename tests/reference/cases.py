@@ -1,14 +1,14 @@
-"""One family's tiny checkpoints as test cases, and every value of a case on one batch.
+"""The families' tiny checkpoints as test cases, and every value of a case on one batch.
 
-A family's test module makes a module-scoped fixture of ``Checkpoints`` from its configurations; each case
-is built, loaded by jstd and by transformers once, on first use, and its every-value comparison batch is
-run once, however many tests read it.
+The session-scoped ``zoo`` fixture (conftest) is a ``Zoo`` of ``families.CASES``; each case is built, loaded
+by jstd and by transformers once, on first use, and its every-value comparison batch is run once, however many
+tests read it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -16,8 +16,6 @@ import torch
 
 import jstd
 from conftest import assert_close
-from reference.checkpoints import make_checkpoint
-from reference.harness import LLAMA_PLAN, TorchReference
 
 jit_run = jax.jit(jstd.run, static_argnames="reads")
 
@@ -29,26 +27,22 @@ def random_tokens(model, seq: int, batch: int = 2, seed: int = 0) -> np.ndarray:
 
 
 class Case(NamedTuple):
-    """A built checkpoint: its case name, its folder, the jstd model and the torch reference loaded from it."""
+    """A built checkpoint: its case name, its folder, the jstd model, the torch reference loaded from it, and the
+    case's spec (``families.Spec``)."""
 
     name: str
     folder: Path
     model: object
-    ref: TorchReference
+    ref: object
+    spec: object
 
 
-class Checkpoints:
-    """One family's tiny random checkpoints, each built once, on first use, under pytest's ``tmp_path_factory``.
+class Zoo:
+    """Every family's tiny random checkpoints (``families.CASES``), each built once, on first use, under pytest's
+    ``tmp_path_factory``; one session-wide instance serves every test module (the ``zoo`` fixture)."""
 
-    ``config(name)`` gives a case's transformers config; ``make(config, folder, seed=...)`` writes its checkpoint
-    (``reference.checkpoints.make_checkpoint`` by default); ``plan`` is the torch reference's capture plan;
-    ``tokens(model)`` is the batch ``every_value`` runs.
-    """
-
-    def __init__(self, tmp_path_factory, config: Callable[[str], object], *, seed: int,
-                 tokens: Callable[[object], np.ndarray], plan=LLAMA_PLAN, make=make_checkpoint):
-        self._tmp, self._config, self._seed, self._plan, self._make, self._tokens = (
-            tmp_path_factory, config, seed, plan, make, tokens)
+    def __init__(self, tmp_path_factory, specs: dict):
+        self._tmp, self._specs = tmp_path_factory, specs
         self._cases: dict[tuple[str, str], Case] = {}
         self._values: dict[str, tuple] = {}
 
@@ -57,30 +51,46 @@ class Checkpoints:
         case's folder)."""
         key = (name, dtype)
         if key not in self._cases:
+            spec = self._specs[name]
             if dtype == "float32":
-                folder = self._make(self._config(name), self._tmp.mktemp(name), seed=self._seed)
+                folder = spec.make(spec.config(), self._tmp.mktemp(name), seed=spec.seed)
                 model = jstd.load(folder)
             else:
                 folder = self(name).folder
                 model = jstd.load(folder, dtype=dtype)
-            self._cases[key] = Case(name, folder, model, TorchReference(folder, dtype=getattr(torch, dtype),
-                                                                       plan=self._plan))
+            self._cases[key] = Case(name, folder, model, spec.reference(folder, getattr(torch, dtype)), spec)
         return self._cases[key]
 
     def every_value(self, name: str) -> tuple:
-        """(tokens, jstd's output reading every site the model serves, the torch reference's dict of every value
-        it captures) for the float32 case ``name`` on the batch ``tokens(model)``, computed once per case."""
+        """(jstd's output reading every site the model serves, the torch reference's dict of every value it
+        captures) for the float32 case ``name`` on the spec's first batch, computed once per case."""
         if name not in self._values:
-            _, _, model, ref = self(name)
-            tokens = self._tokens(model)
-            self._values[name] = tokens, jit_run(model, tokens, reads=tuple(sorted(model.sites))), ref.run(tokens)
+            _, _, model, ref, spec = self(name)
+            inputs, ref_inputs = spec.inputs(model)
+            self._values[name] = jit_run(model, inputs, reads=tuple(sorted(model.sites))), ref.run(ref_inputs)
         return self._values[name]
+
+
+class FamilyCases:
+    """One family's cases of a ``Zoo`` by their short names (``olmo_hybrid-tail`` as ``tail``):
+    ``cases(name, dtype="float32") -> (name, folder, jstd model, torch reference)``;
+    ``cases.every_value(name) -> (inputs, every value jstd serves, every value torch captures)`` on one batch."""
+
+    def __init__(self, zoo: Zoo, family: str):
+        self.zoo, self.family = zoo, family
+
+    def __call__(self, name: str, dtype: str = "float32") -> tuple:
+        return (name,) + tuple(self.zoo(f"{self.family}-{name}", dtype))[1:4]
+
+    def every_value(self, name: str) -> tuple:
+        case = self.zoo(f"{self.family}-{name}")
+        return (case.spec.inputs(case.model)[0],) + self.zoo.every_value(case.name)
 
 
 def assert_sites_close(out, want, sites, rtol: float = 1e-5, label: str = "") -> None:
     """Assert that jstd's ``out[site]`` is within ``rtol`` of the reference's ``want[site]`` (``assert_close``)
     for each of ``sites`` and the logits; a failure names ``label:site``. Returns None."""
-    for site in tuple(sites) + ("logits",):
+    for site in tuple(sites) + (("logits",) if out.logits is not None else ()):
         assert_close(out[site], want[site], rtol, f"{label}:{site}")
 
 
@@ -88,5 +98,5 @@ def assert_every_value(name: str, model, out, want, rtol: float = 1e-5) -> None:
     """Assert that the reference captured exactly the sites ``model`` serves (and the logits), and that each of
     jstd's values is within ``rtol`` of the reference's (``assert_sites_close``). Returns None."""
     reads = tuple(sorted(model.sites))
-    assert set(want) == set(reads) | {"logits"}, set(want) ^ set(reads)
+    assert set(want) - {"logits"} == set(reads) - {"logits"}, set(want) ^ set(reads)
     assert_sites_close(out, want, reads, rtol, name)

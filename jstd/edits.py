@@ -25,7 +25,7 @@ from jaxtyping import Array, ArrayLike, Bool, Int
 
 from jstd.sites import SITES, SiteError, parse
 
-POSITION_AXES = ("seq", "query")
+POSITION_AXES = ("seq", "query", "patches", "grid")
 HEAD_AXES = ("heads", "kv_heads")
 
 

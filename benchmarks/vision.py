@@ -1,0 +1,103 @@
+"""Vision tower forward against transformers: HF's default CLIPVisionConfig, batch 8, float32.
+
+The tower: 12 blocks, 768 wide, 12 heads, intermediate 3072, 224-pixel images in 32-pixel patches (50 positions
+with the class token), random weights; torch runs CLIPVisionModel with sdpa attention in the same process.
+Prints a markdown table of ratios (paste into docs/benchmarks.md).
+
+    python benchmarks/vision.py [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+import common
+from common import print_table, time_interleaved, timeit
+
+BATCH = 8
+
+
+def tower_folder(config, folder: Path) -> Path:
+    from reference.vision import make_tower_checkpoint
+
+    if not (folder / "config.json").exists():
+        make_tower_checkpoint(config, folder)
+    return folder
+
+
+def compile_seconds(layers: int) -> float:
+    """Trace + compile time of jit(run) on the skeleton of a tower with ``layers`` blocks (shapes only)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from transformers import CLIPVisionConfig
+
+    import jstd
+    from jstd.vision.towers import CLIPVision
+
+    hf = CLIPVisionConfig(num_hidden_layers=layers)
+    skeleton = CLIPVision.skeleton(hf, jnp.float32)
+    pixels = jax.ShapeDtypeStruct((BATCH, 3, hf.image_size, hf.image_size), jnp.float32)
+    t = time.perf_counter()
+    jax.jit(jstd.run).lower(skeleton, jstd.Inputs(images={"pixel_values": pixels})).compile()
+    return time.perf_counter() - t
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    import jax
+    import numpy as np
+    import torch
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    import jstd
+
+    config = CLIPVisionConfig()
+    folder = tower_folder(config, Path(tempfile.gettempdir()) / "jstd-bench" / "clip-vision-default")
+    pixels = np.random.default_rng(0).normal(size=(BATCH, 3, config.image_size, config.image_size)).astype(np.float32)
+
+    ref = CLIPVisionModel.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
+    x = torch.from_numpy(pixels)
+
+    def torch_forward():
+        with torch.inference_mode():
+            return ref(pixel_values=x).last_hidden_state
+
+    model = jstd.load(folder)
+    inputs = jstd.Inputs(images={"pixel_values": pixels})
+    tower = jax.jit(jstd.run, static_argnames="reads")
+    every_block = ("vision.layers.layer_output", "vision.layers.self_attn.attention_output",
+                   "vision.layers.mlp.mlp_output")
+
+    def jstd_forward(reads=("vision.tower_output",)):
+        return jax.block_until_ready(tower(model, inputs, reads=reads).values)
+
+    t_torch = timeit(torch_forward, args.repeats)
+    both = time_interleaved({"jstd": jstd_forward, "reads": lambda: jstd_forward(every_block)}, 3 * args.repeats)
+    t_jstd, t_reads = both["jstd"][0], both["reads"][0]
+    want = torch_forward().numpy()
+    got = np.asarray(jstd_forward()["vision.tower_output"])
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    c3, c12 = compile_seconds(3), compile_seconds(12)
+
+    img_s = lambda t: BATCH / t
+    rows = [
+        ("tower forward throughput (jstd / torch sdpa)", f"{t_torch / t_jstd:.2f}x",
+         f"jstd {img_s(t_jstd):,.1f} img/s, torch {img_s(t_torch):,.1f} img/s; max |diff| {err:.1e} of the max"),
+        ("reading every block's stream and contributions (overhead over the output only)",
+         f"{(t_reads / t_jstd - 1) * 100:+.1f}%", f"{t_reads * 1e3:.1f} ms vs {t_jstd * 1e3:.1f} ms"),
+        ("compile time, 12 blocks / 3 blocks", f"{c12 / c3:.2f}x", f"{c12:.2f} s vs {c3:.2f} s"),
+    ]
+    print_table(f"CLIPVisionConfig() batch {BATCH}: torch {torch.__version__} threads {torch.get_num_threads()}, "
+                f"jax {jax.__version__}, {os.cpu_count()} cores", rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Vision towers (CLIP, SigLIP), loadable alone and shared by the vision-language wrappers."""

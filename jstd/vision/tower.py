@@ -1,0 +1,122 @@
+"""A ViT vision tower: patch embedding, positions, a stack of blocks, an optional final norm.
+
+    x      = patches(pixel_values) @ patch_embedding (+ bias)      # vision.patch_embeddings [images, grid, hidden]
+    x      = [class_embedding; x] + position_embedding              # CLIP prepends a class token
+    h      = vision.layers(pre_norm(x))                             # vision.layers.0.layer_input is pre_norm's output
+    out    = post_norm(h)                                           # vision.tower_output (no post_norm: h itself)
+
+Values are served with the tower's prefix: ``vision.patch_embeddings``,
+``vision.layers.X`` (the same blocks, attention and MLP as the text models,
+over ``[images, patches, vision_hidden]`` with no mask: every patch sees every
+patch), ``vision.tower_output``. ``VisionModel`` is the tower loaded alone: it
+runs on ``Inputs.images["pixel_values"]`` and returns no logits; a
+vision-language wrapper holds the same ``VisionTower``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jstd.io.namemap import Entry
+from jstd.models.base import Model, param
+from jstd.models.layers import LayerNorm
+from jstd.models.stack import Stack
+
+
+class VisionTower(eqx.Module):
+    """Arrays: ``patch_embedding`` [channels·patch·patch, embed] (the conv as a matmul, input in (channel, row,
+    column) order), ``patch_bias``, ``class_embedding`` (None without a class token), ``position_embedding``
+    [positions, embed], ``pre_norm`` / ``post_norm`` (None where the tower has none), ``layers`` (a Stack)."""
+
+    patch_embedding: Float[Array, "patch_in embed"] = param("patch_in", "embed")
+    patch_bias: Float[Array, "embed"] | None = param("embed")
+    class_embedding: Float[Array, "embed"] | None = param("embed")
+    position_embedding: Float[Array, "positions embed"] = param("positions", "embed")
+    pre_norm: LayerNorm | None
+    layers: Stack
+    post_norm: LayerNorm | None
+    patch_size: int = eqx.field(static=True)
+
+    sites: ClassVar[frozenset[str]] = frozenset({"vision.patch_embeddings", "vision.tower_output"})
+
+    def patches(self, pixel_values: Float[Array, "images channels height width"]) -> Float[Array, "images grid patch_in"]:
+        """Non-overlapping ``patch_size`` squares in raster order, each flattened as (channel, row, column)."""
+        n, c, height, width = pixel_values.shape
+        p = self.patch_size
+        x = pixel_values.reshape(n, c, height // p, p, width // p, p).transpose(0, 2, 4, 1, 3, 5)
+        return x.reshape(n, (height // p) * (width // p), c * p * p)
+
+    def __call__(self, pixel_values: Float[Array, "images channels height width"], tap):
+        """``(tower_output, reads)`` for a batch of images, the reads by whole name."""
+        s = tap.scope("vision.")
+        dtype = self.patch_embedding.dtype
+        x = self.patches(pixel_values.astype(dtype)) @ self.patch_embedding
+        x = s("patch_embeddings", x if self.patch_bias is None else x + self.patch_bias)
+        if self.class_embedding is not None:
+            cls = jnp.broadcast_to(self.class_embedding, (x.shape[0], 1, x.shape[2]))
+            x = jnp.concatenate([cls, x], axis=1)
+        x = x + self.position_embedding
+        if self.pre_norm is not None:
+            x = self.pre_norm(x)
+        h, reads = self.layers(x, tap, {"self_attn": (None, None)})
+        out = s("tower_output", h if self.post_norm is None else self.post_norm(h))
+        return out, {**s.records, **reads}
+
+    def name_map(self, path: str, key: str, names: dict) -> list[Entry]:
+        """The tower's entries under ``path`` in the model and ``key`` in the checkpoint; ``names``: the
+        checkpoint's module names (``pre_norm``, ``post_norm``, ``layers`` and the block's, see ``Block.entries``)."""
+        def conv(w):  # [embed, channels, patch, patch] -> [channels·patch·patch, embed]
+            return w.reshape(w.shape[0], -1).T
+
+        entries = [Entry("embeddings.patch_embedding.weight", "patch_embedding", conv),
+                   Entry("embeddings.position_embedding.weight", "position_embedding")]
+        if self.patch_bias is not None:
+            entries.append(Entry("embeddings.patch_embedding.bias", "patch_bias"))
+        if self.class_embedding is not None:
+            entries.append(Entry("embeddings.class_embedding", "class_embedding"))
+        for part in ("pre_norm", "post_norm"):
+            if getattr(self, part) is not None:
+                entries += [e.under(names[part] + ".", part + ".") for e in getattr(self, part).entries()]
+        entries = [e.under(key, path + ".") for e in entries]
+        return entries + self.layers.name_map(f"{path}.layers", f"{key}{names['layers']}.{{i}}.", lambda kind: names)
+
+
+class VisionModel(Model):
+    """A vision tower loaded alone (``clip_vision_model``, ``siglip_vision_model``): every ``vision.*`` value,
+    ``logits`` None."""
+
+    vision: VisionTower
+
+    model_sites: ClassVar[frozenset[str]] = VisionTower.sites
+
+    @property
+    def stacks(self) -> dict:
+        return {"vision.layers": self.vision.layers}
+
+    def check_inputs(self, inputs) -> None:
+        v = self.config.vision
+        if inputs.tokens is not None:
+            raise ValueError(f"this {self.family} model is a vision tower alone: it takes images, not tokens "
+                             "(jstd.Inputs.of(image_processor(images, return_tensors='np')))")
+        pixels = None if inputs.images is None else inputs.images.get("pixel_values")
+        if pixels is None:
+            raise ValueError(f"this {self.family} model runs on images: pass jstd.Inputs(images={{'pixel_values': "
+                             f"[images, {v.num_channels}, {v.image_size}, {v.image_size}]}}), e.g. "
+                             "jstd.Inputs.of(image_processor(images, return_tensors='np'))")
+        want = (v.num_channels, v.image_size, v.image_size)
+        if jnp.ndim(pixels) != 4 or tuple(jnp.shape(pixels)[1:]) != want:
+            raise ValueError(f"pixel_values has shape {tuple(jnp.shape(pixels))}; this tower takes "
+                             f"[images, {', '.join(map(str, want))}] (the image processor resizes to it)")
+        if not jnp.issubdtype(jnp.asarray(pixels).dtype if not hasattr(pixels, "aval") else pixels.dtype, jnp.floating):
+            raise ValueError(f"pixel_values must be floating point (the processor's normalized pixels), "
+                             f"got {jnp.asarray(pixels).dtype}")
+
+    def forward(self, inputs, tap, context=None):
+        if context is not None:
+            raise ValueError("a vision tower has no cache to continue: drop context=")
+        out, reads = self.vision(jnp.asarray(inputs.images["pixel_values"]), tap)
+        return None, reads

@@ -1,0 +1,96 @@
+"""Every family and tower the conformance suite runs, each as tiny random checkpoints (one line a case).
+
+A case names a transformers config, how its checkpoint is made, and its torch
+reference. ``MAIN`` holds one case per family and tower: the conformance tests
+that compile many runs use those; the every-value tests run on every case.
+Adding a family is adding its cases here (and its reference plan, where its
+modules differ from Llama's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+from transformers import CLIPVisionConfig, HyperCLOVAXConfig, LlamaConfig, SiglipVisionConfig
+
+import llama_cases
+import olmo_hybrid_cases
+from reference.checkpoints import make_checkpoint
+from reference.harness import LLAMA_PLAN, TorchReference
+from reference.vision import TowerReference, make_tower_checkpoint
+
+HYPERCLOVAX_PLAN = {
+    **LLAMA_PLAN,
+    # the contributions are computed copies in torch: post_normN's output times residual_multiplier
+    "layers.self_attn.attention_raw_output": ("model.layers.{i}.self_attn", "out0"),
+    "layers.self_attn.attention_output": ("model.layers.{i}.post_norm1", "out", "residual_multiplier"),
+    "layers.mlp.mlp_raw_output": ("model.layers.{i}.mlp", "out"),
+    "layers.mlp.mlp_output": ("model.layers.{i}.post_norm2", "out", "residual_multiplier"),
+}
+HYPERCLOVAX_HEAD_DIM = 16
+HYPERCLOVAX_BASE = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+)
+HYPERCLOVAX_THINK_14B = dict(use_post_norm=True, embedding_multiplier=10.0, residual_multiplier=1.0,
+                             attention_multiplier=1 / HYPERCLOVAX_HEAD_DIM, logits_scaling=0.125)
+HYPERCLOVAX_CASES = {
+    "think14b": HYPERCLOVAX_THINK_14B,                                      # post-norms, 1 / head_dim scale
+    "residual": {**HYPERCLOVAX_THINK_14B, "residual_multiplier": 0.3},     # a multiplier the round trip rounds
+    "text32b": dict(use_post_norm=False, embedding_multiplier=1.0, residual_multiplier=1.0,
+                    attention_multiplier=HYPERCLOVAX_HEAD_DIM ** -0.5, logits_scaling=1.0),
+}
+TOWER = dict(hidden_size=64, num_attention_heads=4, intermediate_size=96, num_hidden_layers=3, image_size=32,
+             patch_size=8)
+
+SEQ = 11
+IMAGES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A conformance case: ``config()`` the transformers config; ``make(config, folder, seed=)`` its checkpoint;
+    ``reference(folder, dtype)`` its torch reference; ``tower``: a vision tower alone (runs on images)."""
+
+    config: Callable[[], object]
+    make: Callable = make_checkpoint
+    reference: Callable = lambda folder, dtype: TorchReference(folder, dtype, LLAMA_PLAN)
+    tower: bool = False
+    seed: int = 1
+
+    def inputs(self, model, seed: int = 0, batch: int = 2):
+        """(jstd inputs, the reference's inputs) for one random batch."""
+        rng = np.random.default_rng(seed)
+        if self.tower:
+            v = model.config.vision
+            pixels = rng.normal(size=(IMAGES, v.num_channels, v.image_size, v.image_size)).astype(np.float32)
+            import jstd
+
+            return jstd.Inputs(images={"pixel_values": pixels}), pixels
+        tokens = rng.integers(0, model.config.vocab_size, (batch, SEQ))
+        return tokens, tokens
+
+
+def _olmo(case):
+    return Spec(lambda: olmo_hybrid_cases.config(case), make=olmo_hybrid_cases.make_checkpoint,
+                reference=lambda folder, dtype: TorchReference(folder, dtype, olmo_hybrid_cases.PLAN), seed=3)
+
+
+def _hyperclovax(case):
+    return Spec(lambda: HyperCLOVAXConfig(**HYPERCLOVAX_BASE, **HYPERCLOVAX_CASES[case]),
+                reference=lambda folder, dtype: TorchReference(folder, dtype, HYPERCLOVAX_PLAN), seed=2)
+
+
+CASES: dict[str, Spec] = {
+    **{f"llama-{c}": Spec(lambda c=c: llama_cases.config(c)) for c in llama_cases.CASES},
+    **{f"hyperclovax-{c}": _hyperclovax(c) for c in HYPERCLOVAX_CASES},
+    **{f"olmo_hybrid-{c}": _olmo(c) for c in olmo_hybrid_cases.CASES},
+    "clip": Spec(lambda: CLIPVisionConfig(**TOWER, hidden_act="quick_gelu"), make=make_tower_checkpoint,
+                 reference=TowerReference, tower=True),
+    "siglip": Spec(lambda: SiglipVisionConfig(**TOWER), make=make_tower_checkpoint, reference=TowerReference,
+                   tower=True),
+}
+MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "clip", "siglip")
+TEXT_MAIN = tuple(c for c in MAIN if not CASES[c].tower)
