@@ -73,6 +73,23 @@ def forward_timings(folder, tokens, reads, repeats: int) -> dict:
     return dict(torch=t_torch, jstd=both["jstd"][0], reads=both["reads"][0], err=err)
 
 
+def forward_rows(t_torch: float, t_jstd: float, t_reads: float, per_call: int, unit: str, detail: str, read_what: str,
+                 compiled: tuple[int, float, int, float]) -> list[tuple[str, str, str]]:
+    """The three rows every forward benchmark reports: throughput against torch (``per_call`` ``unit`` per call,
+    ``detail`` appended), the overhead of reading ``read_what``, and compile time at two depths
+    ``(small, seconds, large, seconds)``."""
+    rate = lambda t: f"{per_call / t:,.1f} {unit}/s"
+    small, t_small, large, t_large = compiled
+    return [
+        ("forward throughput (jstd / torch)", f"{t_torch / t_jstd:.2f}x",
+         f"jstd {rate(t_jstd)}, torch {rate(t_torch)}; {detail}"),
+        (f"reading {read_what} (overhead over the output only)", f"{(t_reads / t_jstd - 1) * 100:+.1f}%",
+         f"{t_reads * 1e3:.1f} ms vs {t_jstd * 1e3:.1f} ms"),
+        (f"compile time, {large} blocks / {small} blocks", f"{t_large / t_small:.2f}x",
+         f"{t_large:.2f} s vs {t_small:.2f} s"),
+    ]
+
+
 def print_table(heading: str, rows) -> None:
     """``heading``, then ``rows`` of (figure, ratio, detail) as a markdown table."""
     print(heading)

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import common
-from common import checkpoint, forward_timings, print_table
+from common import checkpoint, forward_rows, forward_timings, print_table
 
 SIZE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=8, vocab_size=8192,
             max_position_embeddings=1024, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1,
@@ -55,15 +55,10 @@ def main():
     t = forward_timings(folder, tokens, STATES, args.repeats)
     err = t["err"]
 
-    c16, c64 = compile_seconds(16), compile_seconds(64)  # depths not compiled above (no cache hit)
-    tok_s = lambda s: BATCH * SEQ / s
-    rows = [
-        ("forward throughput, logits only (jstd / torch)", f"{t['torch'] / t['jstd']:.2f}x",
-         f"jstd {tok_s(t['jstd']):,.0f} tok/s, torch {tok_s(t['torch']):,.0f} tok/s; logits max rel. diff {err:.1e}"),
-        ("reading every block's layer_output and DeltaNet state_output (overhead over logits only)",
-         f"{(t['reads'] / t['jstd'] - 1) * 100:+.1f}%", f"{t['reads'] * 1e3:.1f} ms vs {t['jstd'] * 1e3:.1f} ms"),
-        ("compile time, 64 blocks / 16 blocks", f"{c64 / c16:.2f}x", f"{c64:.2f} s vs {c16:.2f} s"),
-    ]
+    # depths not compiled above (no cache hit)
+    rows = forward_rows(t["torch"], t["jstd"], t["reads"], BATCH * SEQ, "tok", f"logits max rel. diff {err:.1e}",
+                        "every block's layer_output and DeltaNet state_output",
+                        (16, compile_seconds(16), 64, compile_seconds(64)))
     print_table(f"torch {torch.__version__} threads {torch.get_num_threads()}, jax {jax.__version__}, "
                 f"{os.cpu_count()} cores; batch {BATCH} x {SEQ} tokens, float32", rows)
 

@@ -14,8 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-import common
-from common import print_table, time_interleaved, timeit
+from common import forward_rows, print_table, time_interleaved, timeit
 
 BATCH = 8
 
@@ -85,16 +84,8 @@ def main():
     want = torch_forward().numpy()
     got = np.asarray(jstd_forward()["vision.tower_output"])
     err = float(np.abs(got - want).max() / np.abs(want).max())
-    c3, c12 = compile_seconds(3), compile_seconds(12)
-
-    img_s = lambda t: BATCH / t
-    rows = [
-        ("tower forward throughput (jstd / torch sdpa)", f"{t_torch / t_jstd:.2f}x",
-         f"jstd {img_s(t_jstd):,.1f} img/s, torch {img_s(t_torch):,.1f} img/s; max |diff| {err:.1e} of the max"),
-        ("reading every block's stream and contributions (overhead over the output only)",
-         f"{(t_reads / t_jstd - 1) * 100:+.1f}%", f"{t_reads * 1e3:.1f} ms vs {t_jstd * 1e3:.1f} ms"),
-        ("compile time, 12 blocks / 3 blocks", f"{c12 / c3:.2f}x", f"{c12:.2f} s vs {c3:.2f} s"),
-    ]
+    rows = forward_rows(t_torch, t_jstd, t_reads, BATCH, "img", f"max |diff| {err:.1e} of the max",
+                        "every block's stream and contributions", (3, compile_seconds(3), 12, compile_seconds(12)))
     print_table(f"CLIPVisionConfig() batch {BATCH}: torch {torch.__version__} threads {torch.get_num_threads()}, "
                 f"jax {jax.__version__}, {os.cpu_count()} cores", rows)
 

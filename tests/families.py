@@ -13,7 +13,7 @@ import dataclasses
 from typing import Callable
 
 import numpy as np
-from transformers import CLIPVisionConfig, HyperCLOVAXConfig, LlamaConfig, SiglipVisionConfig
+from transformers import CLIPVisionConfig, HyperCLOVAXConfig, SiglipVisionConfig
 
 import llama_cases
 import olmo_hybrid_cases

@@ -134,6 +134,18 @@ def test_identities(case, everything):
     np.testing.assert_array_equal(np.asarray(out["layers.mlp_input"])[list(full)], np.asarray(out["layers.layer_mid"])[list(full)])
 
 
+def test_direct_logit_attribution_on_a_hybrid(checkpoints):
+    """DLA reads each block's mixer (DeltaNet or attention) and MLP: the parts sum to the logit difference;
+    per-head attribution is refused (blocks without self_attn)."""
+    _, _, model, _ = checkpoints("tail")
+    tokens = tokens_for(model, seed=6)
+    dla = jstd.direct_logit_attribution(model, tokens, 5, 9, heads=False)
+    assert dla.attention.shape == (6, 2) and np.abs(dla.attention).min() > 0
+    assert_close(dla.total(), dla.logit, 1e-4, "parts sum to the logit difference")
+    with pytest.raises(NotImplementedError, match="blocks without self_attn"):
+        jstd.direct_logit_attribution(model, tokens, 5, 9)
+
+
 def test_queries_are_q_norm_split_into_heads(checkpoints):
     """Without rotary, attention_queries is q_norm's output (one norm over every head) split into heads."""
     _, _, model, ref = checkpoints("released")

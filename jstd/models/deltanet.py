@@ -32,7 +32,7 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from jstd.kernels.gated_delta import chunk_gated_delta_rule
 from jstd.io.namemap import Entry, linear, split_in, split_out

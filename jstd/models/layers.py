@@ -20,7 +20,7 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from jstd.io.namemap import Entry, linear, split, split_in, split_out
 from jstd.kernels import attention as attn_kernels

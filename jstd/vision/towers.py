@@ -35,6 +35,11 @@ class ViTFamily(Family):
     patch_bias: bool
     pre_norm: bool
     post_norm: bool
+    unused: tuple[str, ...]  # checkpoint tensors no standard value reads
+
+    @classmethod
+    def ignored(cls, hf) -> tuple[str, ...]:
+        return cls.unused + ("*position_ids",)
 
     @classmethod
     def vision_config(cls, hf) -> VisionConfig:
@@ -89,19 +94,11 @@ class CLIPVision(ViTFamily):
     family = "clip_vision"
     model_types = ("clip_vision_model",)
     class_token, patch_bias, pre_norm, post_norm = True, False, True, False
-
-    @classmethod
-    def ignored(cls, hf) -> tuple[str, ...]:
-        # post_layernorm norms the pooled class token only: no standard value reads it
-        return ("post_layernorm.*", "*position_ids")
+    unused = ("post_layernorm.*",)  # it norms the pooled class token only: no standard value reads it
 
 
 class SiglipVision(ViTFamily):
     family = "siglip_vision"
     model_types = ("siglip_vision_model",)
     class_token, patch_bias, pre_norm, post_norm = False, True, False, True
-
-    @classmethod
-    def ignored(cls, hf) -> tuple[str, ...]:
-        # the attention-pooling head produces the pooled output, no standard value
-        return ("head.*", "*position_ids")
+    unused = ("head.*",)  # the attention-pooling head produces the pooled output, no standard value

@@ -93,16 +93,6 @@ class TorchEdit:
     layer: int | None = None
 
 
-def _to_jstd(site, t, model):
-    if site == "layers.self_attn.attention_premix":
-        return t.reshape(*t.shape[:-1], model.config.num_attention_heads, -1)
-    return t
-
-
-def _from_jstd(site, t, like):
-    return t.reshape(like.shape)
-
-
 class TorchReference:
     """A transformers causal LM loaded from ``folder`` with eager attention, in ``dtype``."""
 
@@ -119,30 +109,46 @@ class TorchReference:
         linear = LINEAR_INTERIOR if hasattr(self.modeling, "torch_chunk_gated_delta_rule") else ()
         return tuple(self.plan) + ATTENTION_INTERIOR + linear + ("logits", "next_token_probs")
 
-    def run(self, tokens, reads=(), edits=(), attention_mask=None) -> dict[str, np.ndarray]:
-        reads = tuple(reads) or self.sites()
+    def _to_jstd(self, site, t):
+        """A captured tensor in jstd's layout (premix split into heads)."""
+        if site.endswith("self_attn.attention_premix"):
+            return t.reshape(*t.shape[:-1], self.model.config.num_attention_heads, -1)
+        return t
+
+    def _from_jstd(self, site, t, like):
+        """An edited value back in the module's layout."""
+        return t.reshape(like.shape)
+
+    def _tap(self, reads, edits):
+        """``(tap, got)``: ``tap(site, layer, value)`` applies the edits at the site and records it if read into
+        ``got`` (site -> {layer: value in jstd's layout}); returns the (edited) value."""
         got: dict[str, dict] = {}
-        edits = list(edits)
 
         def tap(site, layer, value):
             for e in edits:
                 if e.site == site and (e.layer is None or e.layer == layer):
-                    value = _from_jstd(site, e.fn(_to_jstd(site, value, self.model)), value)
+                    value = self._from_jstd(site, e.fn(self._to_jstd(site, value)), value)
             if site in reads:
-                got.setdefault(site, {})[layer] = _to_jstd(site, value, self.model).detach().float().clone()
+                got.setdefault(site, {})[layer] = self._to_jstd(site, value).detach().float().clone()
             return value
 
+        return tap, got
+
+    @staticmethod
+    def _stacked(got) -> dict[str, np.ndarray]:
+        """Each recorded site as one array: block sites stacked over blocks, block axis first."""
+        return {site: per[None].numpy() if None in per else np.stack([per[i].numpy() for i in sorted(per)])
+                for site, per in got.items()}
+
+    def run(self, tokens, reads=(), edits=(), attention_mask=None) -> dict[str, np.ndarray]:
+        reads = tuple(reads) or self.sites()
+        tap, got = self._tap(reads, list(edits))
         with torch.no_grad(), self._hooks(tap), self._attention(tap), self._linear_attention(tap, reads):
             ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
             mask = None if attention_mask is None else torch.as_tensor(np.asarray(attention_mask), dtype=torch.long)
             logits = self.model(input_ids=ids, attention_mask=mask).logits
         logits = tap("logits", None, logits)
-        out = {}
-        for site, per in got.items():
-            if None in per:
-                out[site] = per[None].numpy()
-            else:
-                out[site] = np.stack([per[i].numpy() for i in sorted(per)])
+        out = self._stacked(got)
         if "logits" in reads:
             out["logits"] = logits.float().numpy()
         if "next_token_probs" in reads:

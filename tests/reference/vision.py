@@ -105,31 +105,17 @@ class TowerReference(TorchReference):
     def _to_jstd(self, site, t):
         if site == "vision.patch_embeddings":  # [images, hidden, h, w] -> [images, grid, hidden]
             return t.flatten(2).transpose(1, 2)
-        if site == "vision.layers.self_attn.attention_premix":
-            return t.reshape(*t.shape[:-1], self.model.config.num_attention_heads, -1)
-        return t
+        return super()._to_jstd(site, t)
 
-    @staticmethod
-    def _from_jstd(site, t, like):
+    def _from_jstd(self, site, t, like):
         if site == "vision.patch_embeddings":
             return t.transpose(1, 2).reshape(like.shape)
-        return t.reshape(like.shape)
+        return super()._from_jstd(site, t, like)
 
     def run(self, pixel_values, reads=(), edits=()) -> dict[str, np.ndarray]:
         reads = tuple(reads) or self.sites()
-        got: dict[str, dict] = {}
-        edits = list(edits)
-
-        def tap(site, layer, value):
-            for e in edits:
-                if e.site == site and (e.layer is None or e.layer == layer):
-                    value = self._from_jstd(site, e.fn(self._to_jstd(site, value)), value)
-            if site in reads:
-                got.setdefault(site, {})[layer] = self._to_jstd(site, value).detach().float().clone()
-            return value
-
+        tap, got = self._tap(reads, list(edits))
         with torch.no_grad(), self._hooks(tap), self._attention(lambda site, i, x: tap("vision." + site, i, x)):
             pixels = torch.as_tensor(np.asarray(pixel_values, np.float32))
             tap("vision.tower_output", None, self.model(pixel_values=pixels).last_hidden_state)
-        return {site: per[None].numpy() if None in per else np.stack([per[i].numpy() for i in sorted(per)])
-                for site, per in got.items()}
+        return self._stacked(got)
