@@ -142,6 +142,8 @@ def run(
                 raise ValueError(f"attention_mask has shape {mask.shape}; it must match tokens' {tokens.shape}")
         inputs = Inputs(check_tokens(tokens, model.config.vocab_size), mask, inputs.images)
     if context is not None:
+        if inputs.tokens is None:
+            raise ValueError(f"a {model.family} model runs on images alone and has no cache to continue: drop context=")
         check_context(model, context, inputs.tokens.shape, inputs.attention_mask, reads)
 
     bases = frozenset(parse(r)[0] for r in reads) | ({"logits"} if "next_token_probs" in reads else frozenset())

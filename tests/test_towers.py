@@ -115,6 +115,8 @@ def test_bad_inputs_name_the_problem(tower):
         jstd.run(model, jstd.Inputs(images={"pixel_values": good}), reads=("vision.layers.3.layer_output",))
     with pytest.raises(jstd.SiteError, match="block 5 does not exist"):
         jstd.run(model, jstd.Inputs(images={"pixel_values": good}), [jstd.Zero("vision.layers.mlp.mlp_output", layer=5)])
+    with pytest.raises(ValueError, match="no cache to continue"):
+        jstd.run(model, jstd.Inputs(images={"pixel_values": good}), context=jstd.Context(np.zeros((2, 1), np.int32)))
     with pytest.raises(jstd.SiteError, match="does not broadcast"):
         jstd.run(model, jstd.Inputs(images={"pixel_values": good}), [jstd.Set("vision.tower_output", np.ones(7))])
 

@@ -111,12 +111,10 @@ class VisionModel(Model):
         if jnp.ndim(pixels) != 4 or tuple(jnp.shape(pixels)[1:]) != want:
             raise ValueError(f"pixel_values has shape {tuple(jnp.shape(pixels))}; this tower takes "
                              f"[images, {', '.join(map(str, want))}] (the image processor resizes to it)")
-        if not jnp.issubdtype(jnp.asarray(pixels).dtype if not hasattr(pixels, "aval") else pixels.dtype, jnp.floating):
-            raise ValueError(f"pixel_values must be floating point (the processor's normalized pixels), "
-                             f"got {jnp.asarray(pixels).dtype}")
+        dtype = pixels.dtype if hasattr(pixels, "dtype") else jnp.asarray(pixels).dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"pixel_values must be floating point (the processor's normalized pixels), got {dtype}")
 
     def forward(self, inputs, tap, context=None):
-        if context is not None:
-            raise ValueError("a vision tower has no cache to continue: drop context=")
         out, reads = self.vision(jnp.asarray(inputs.images["pixel_values"]), tap)
         return None, reads
