@@ -32,6 +32,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from jstd.kernels.attention import positions_and_mask
+from jstd.sites import SiteError
 
 
 KEYS, VALUES = "layers.self_attn.attention_keys", "layers.self_attn.attention_values"
@@ -198,8 +199,6 @@ def check_context(model, context: Context, shape: tuple[int, int], attention_mas
         if context.block is None:
             raise ValueError("context.stream needs context.block: the block whose layer_input it is")
         if "token_embeddings" in reads:
-            from jstd.sites import SiteError
-
             raise SiteError("token_embeddings is not computed on a run that starts from context.stream")
     elif context.block is not None:
         raise ValueError("context.block needs context.stream: the layer_input of that block at the tokens")
