@@ -37,16 +37,29 @@ def time_interleaved(runs: dict, reps: int) -> dict:
     return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
 
 
-def forward_timings(folder, tokens, reads, repeats: int) -> dict:
-    """The torch reference (sdpa, float32) against ``jax.jit(jstd.run)`` on ``tokens``, for the checkpoint in ``folder``.
+def compare(torch_forward, jstd_forward, reads, repeats: int) -> dict:
+    """The torch reference against jstd, both already built: ``torch_forward()`` returns the reference's output
+    (a tensor), ``jstd_forward(reads)`` the blocked ``jax.jit(jstd.run)`` Outputs reading ``reads`` (``()``: the
+    output only).
 
-    Returns median seconds per forward: ``torch``; ``jstd`` (logits only) and
-    ``reads`` (reading ``reads`` too), those two interleaved over ``3 * repeats``
-    runs since the read overhead is a small difference of two noisy times; and
-    ``err``, the logits' max difference relative to their max.
+    Returns median seconds per forward: ``torch``; ``jstd`` (the output only) and ``reads`` (reading ``reads``
+    too), those two interleaved over ``3 * repeats`` runs since the read overhead is a small difference of two
+    noisy times; and ``err``, the outputs' max difference relative to their max.
     """
-    import jax
     import numpy as np
+
+    t_torch = timeit(torch_forward, repeats)
+    both = time_interleaved({"jstd": lambda: jstd_forward(()), "reads": lambda: jstd_forward(reads)}, 3 * repeats)
+    want = torch_forward().numpy()
+    out = jstd_forward(())
+    got = np.asarray(out.logits if out.logits is not None else out["vision.tower_output"])
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    return dict(torch=t_torch, jstd=both["jstd"][0], reads=both["reads"][0], err=err)
+
+
+def forward_timings(folder, tokens, reads, repeats: int) -> dict:
+    """``compare`` for the causal LM in ``folder`` (torch with sdpa, float32) on ``tokens``."""
+    import jax
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -60,17 +73,8 @@ def forward_timings(folder, tokens, reads, repeats: int) -> dict:
             return ref(input_ids=ids).logits
 
     model = jstd.load(folder)
-    logits_only = jax.jit(jstd.run)
-    reading = jax.jit(jstd.run, static_argnames="reads")
-    t_torch = timeit(torch_forward, repeats)
-    both = time_interleaved({
-        "jstd": lambda: logits_only(model, tokens).logits.block_until_ready(),
-        "reads": lambda: jax.block_until_ready(reading(model, tokens, reads=reads).values),
-    }, 3 * repeats)
-    want = torch_forward().numpy()
-    got = np.asarray(logits_only(model, tokens).logits)
-    err = float(np.abs(got - want).max() / np.abs(want).max())
-    return dict(torch=t_torch, jstd=both["jstd"][0], reads=both["reads"][0], err=err)
+    run = jax.jit(jstd.run, static_argnames="reads")
+    return compare(torch_forward, lambda reads: jax.block_until_ready(run(model, tokens, reads=reads)), reads, repeats)
 
 
 def forward_rows(t_torch: float, t_jstd: float, t_reads: float, per_call: int, unit: str, detail: str, read_what: str,

@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from common import forward_rows, print_table, time_interleaved, timeit
+from common import compare, forward_rows, print_table
 
 BATCH = 8
 
@@ -74,17 +74,9 @@ def main():
     tower = jax.jit(jstd.run, static_argnames="reads")
     every_block = ("vision.layers.layer_output", "vision.layers.self_attn.attention_output",
                    "vision.layers.mlp.mlp_output")
-
-    def jstd_forward(reads=("vision.tower_output",)):
-        return jax.block_until_ready(tower(model, inputs, reads=reads).values)
-
-    t_torch = timeit(torch_forward, args.repeats)
-    both = time_interleaved({"jstd": jstd_forward, "reads": lambda: jstd_forward(every_block)}, 3 * args.repeats)
-    t_jstd, t_reads = both["jstd"][0], both["reads"][0]
-    want = torch_forward().numpy()
-    got = np.asarray(jstd_forward()["vision.tower_output"])
-    err = float(np.abs(got - want).max() / np.abs(want).max())
-    rows = forward_rows(t_torch, t_jstd, t_reads, BATCH, "img", f"max |diff| {err:.1e} of the max",
+    t = compare(torch_forward, lambda reads: jax.block_until_ready(tower(model, inputs, reads=("vision.tower_output",) + reads)),
+                every_block, args.repeats)
+    rows = forward_rows(t["torch"], t["jstd"], t["reads"], BATCH, "img", f"max |diff| {t['err']:.1e} of the max",
                         "every block's stream and contributions", (3, compile_seconds(3), 12, compile_seconds(12)))
     print_table(f"CLIPVisionConfig() batch {BATCH}: torch {torch.__version__} threads {torch.get_num_threads()}, "
                 f"jax {jax.__version__}, {os.cpu_count()} cores", rows)

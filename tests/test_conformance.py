@@ -118,14 +118,13 @@ def test_block_identity(zoo, name):
 # ---- edits --------------------------------------------------------------------------------------------------------
 
 
-def _edit_cases(model, inputs):
+def _edit_cases(model):
     """(label, jstd edits, torch edits): the same edit made both ways, on every stack the model has."""
     cases = []
     rng = np.random.default_rng(9)
     for stack in model.stacks:
         c = model.config if stack == "layers" else model.config.vision
-        width = c.hidden_size
-        v = rng.normal(size=width).astype(np.float32)
+        v = rng.normal(size=c.hidden_size).astype(np.float32)
         cases.append((f"scale {stack}.mlp_output", [jstd.Scale(f"{stack}.mlp.mlp_output", 0.5)],
                       [TorchEdit(f"{stack}.mlp.mlp_output", lambda t: t * 0.5)]))
 
@@ -171,7 +170,7 @@ def test_edits_match_torch_hooks(zoo, name):
     reads = tuple(f"{stack}.layer_output" for stack in model.stacks)
     reads += ("vision.tower_output",) if "layers" not in model.stacks else ()
     clean = ref.run(ref_inputs, reads=(final_site(model),))[final_site(model)]
-    for label, edits, torch_edits in _edit_cases(model, inputs):
+    for label, edits, torch_edits in _edit_cases(model):
         out = jit_run(model, inputs, edits, reads=reads)
         want = ref.run(ref_inputs, reads=reads + ("logits",), edits=torch_edits)
         assert np.abs(want[final_site(model)] - clean).max() > 1e-3, f"{label}: the edit changes nothing"

@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 
+import families
 import jstd
 from conftest import assert_close
 from reference.cases import jit_run
@@ -23,9 +24,9 @@ def tower(request, zoo):
     return zoo(request.param)
 
 
-def pixels(model, n=2, seed=0):
-    v = model.config.vision
-    return np.random.default_rng(seed).normal(size=(n, v.num_channels, v.image_size, v.image_size)).astype(np.float32)
+def pixels(model):
+    """The conformance cases' random images for this tower: [2, channels, size, size]."""
+    return families.CASES["clip"].inputs(model)[1]
 
 
 def test_a_tower_alone_serves_vision_values_and_no_logits(tower):

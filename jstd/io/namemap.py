@@ -3,9 +3,10 @@
 An ``Entry`` says: the tensor ``key`` (with ``{i}`` for the block index on
 stacked parameters) fills the skeleton leaf at ``path`` after ``transform``
 (a numpy function from the stored layout to jstd's). A stacked entry's rows are
-the blocks ``blocks`` names, in order (every block when None): a hybrid stacks
-each block kind over the blocks of that kind. A ``key`` that is a tuple names a
-tensor stored in parts, concatenated along axis 0 before the transform. Transforms are views where
+the blocks ``blocks`` names, in order (``Stack.name_map`` sets them: one period
+slot's blocks). Layers write their fragments relative to themselves and
+``under`` places them. A ``key`` that is a tuple names a tensor stored in parts,
+concatenated along axis 0 before the transform. Transforms are views where
 possible; the loader copies each one once, into its slot of the stacked array.
 """
 
