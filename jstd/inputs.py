@@ -22,11 +22,24 @@ class Inputs(eqx.Module):
     images: the family's image arrays and metadata as its processor returns
         them (``pixel_values``, ``image_sizes``, ``pixel_attention_mask``,
         ``image_grid_thw``, …), or None.
+    layout: what about the images fixes the shapes of the computation, as
+        static data (jit compiles once per layout, as once per shape):
+        ``(("image_sizes", ((h, w), …)), ("real_images", ((True, False), …)))``.
+        ``Inputs.of`` records it from the processor's arrays: the images'
+        original sizes (LLaVA-NeXT unpads to them) and, for pixel values
+        padded to ``[batch, images, …]`` with all-zero images (Idefics 3),
+        which images are real. A model that needs it says so when it is
+        missing.
     """
 
     tokens: Int[Array, "batch seq"] | None = None
     attention_mask: Int[Array, "batch seq"] | None = None
     images: dict[str, Array] | None = None
+    layout: tuple = eqx.field(static=True, default=())
+
+    def static(self, key: str):
+        """The ``layout`` entry ``key`` (nested tuples), or None."""
+        return dict(self.layout).get(key)
 
     @classmethod
     def of(cls, batch: Mapping[str, Any]) -> "Inputs":
@@ -43,7 +56,27 @@ class Inputs(eqx.Module):
         mask = data.pop("attention_mask", None)
         if tokens is None and not any(k.startswith("pixel_values") for k in data):
             raise TypeError(f"Inputs.of found neither input_ids nor images (pixel_values) in keys {sorted(batch.keys())}")
-        return cls(tokens, mask, data or None)
+        return cls(tokens, mask, data or None, image_layout(data))
+
+
+def with_layout(inputs: Inputs) -> Inputs:
+    """``inputs`` with its static ``layout`` recorded from concrete image arrays where it is missing (traced
+    arrays are left as they are: build the inputs with ``Inputs.of`` outside jit)."""
+    if inputs.layout or not inputs.images or any(isinstance(v, jax.core.Tracer) for v in inputs.images.values()):
+        return inputs
+    return Inputs(inputs.tokens, inputs.attention_mask, inputs.images, image_layout(inputs.images))
+
+
+def image_layout(images: Mapping[str, np.ndarray]) -> tuple:
+    """The static ``Inputs.layout`` of concrete image arrays (see ``Inputs``)."""
+    layout = []
+    if "image_sizes" in images:
+        layout.append(("image_sizes", tuple(tuple(int(v) for v in row) for row in np.asarray(images["image_sizes"]))))
+    pixels = images.get("pixel_values")
+    if pixels is not None and np.ndim(pixels) == 5:
+        real = np.asarray(pixels).reshape(*np.shape(pixels)[:2], -1).any(axis=-1)
+        layout.append(("real_images", tuple(tuple(bool(v) for v in row) for row in real)))
+    return tuple(layout)
 
 
 def _array(key: str, value) -> np.ndarray:

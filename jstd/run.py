@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, Int
 
 from jstd.context import Context, check_context
 from jstd.edits import as_edits
-from jstd.inputs import Inputs, as_inputs, token_array
+from jstd.inputs import Inputs, as_inputs, token_array, with_layout
 from jstd.models.base import Model
 from jstd.sites import SITES, SiteError, near, parse
 from jstd.tap import Tap
@@ -125,6 +125,7 @@ def run(
             raise ValueError("images are given twice: inside the inputs and as images=")
         inputs = Inputs(inputs.tokens, inputs.attention_mask, images if isinstance(images, dict) else
                         {"pixel_values": images})
+    inputs = with_layout(inputs)
     if isinstance(reads, str):
         reads = (reads,)
     edits = as_edits(edits)
@@ -140,7 +141,7 @@ def run(
             mask = jnp.asarray(mask) if not isinstance(mask, jax.core.Tracer) else mask
             if mask.shape != tokens.shape:
                 raise ValueError(f"attention_mask has shape {mask.shape}; it must match tokens' {tokens.shape}")
-        inputs = Inputs(check_tokens(tokens, model.config.vocab_size), mask, inputs.images)
+        inputs = Inputs(check_tokens(tokens, model.config.vocab_size), mask, inputs.images, inputs.layout)
     if context is not None:
         if inputs.tokens is None:
             raise ValueError(f"a {model.family} model runs on images alone and has no cache to continue: drop context=")

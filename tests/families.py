@@ -13,13 +13,14 @@ import dataclasses
 from typing import Callable
 
 import numpy as np
-from transformers import CLIPVisionConfig, HyperCLOVAXConfig, SiglipVisionConfig
+from transformers import CLIPVisionConfig, HyperCLOVAXConfig, LlavaConfig, SiglipVisionConfig, VipLlavaConfig
 
 import llama_cases
 import olmo_hybrid_cases
 from reference.checkpoints import make_checkpoint
 from reference.harness import LLAMA_PLAN, TorchReference
 from reference.vision import TowerReference, make_tower_checkpoint
+from reference.wrapper import WrapperReference, make_wrapper_checkpoint
 
 HYPERCLOVAX_PLAN = {
     **LLAMA_PLAN,
@@ -47,6 +48,11 @@ TOWER = dict(hidden_size=64, num_attention_heads=4, intermediate_size=96, num_hi
 
 SEQ = 11
 IMAGES = 2
+# a wrapper's text model: the image token is the vocabulary's last id
+WRAPPER_TEXT = dict(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+IMAGE_TOKEN = 96
+LLAVA_PATHS = dict(tower="model.vision_tower", text="model.language_model", projector="model.multi_modal_projector")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +65,21 @@ class Spec:
     reference: Callable = lambda folder, dtype: TorchReference(folder, dtype, LLAMA_PLAN)
     tower: bool = False
     seed: int = 1
+    images: Callable | None = None  # a wrapper's batch: images(model, rng, counts) -> the processor's arrays
 
-    def inputs(self, model, seed: int = 0, batch: int = 2):
-        """(jstd inputs, the reference's inputs) for one random batch."""
+    @property
+    def wrapper(self) -> bool:
+        return self.images is not None
+
+    def inputs(self, model, seed: int = 0, batch: int = 2, counts=(2, 1)):
+        """(jstd inputs, the reference's inputs) for one random batch (a wrapper's: ``counts[r]`` images in row
+        ``r``)."""
         rng = np.random.default_rng(seed)
+        if self.wrapper:
+            arrays = self.images(model, rng, counts)
+            import jstd
+
+            return jstd.Inputs.of(arrays), arrays
         if self.tower:
             v = model.config.vision
             pixels = rng.normal(size=(IMAGES, v.num_channels, v.image_size, v.image_size)).astype(np.float32)
@@ -83,6 +100,38 @@ def _hyperclovax(case):
                 reference=lambda folder, dtype: TorchReference(folder, dtype, HYPERCLOVAX_PLAN), seed=2)
 
 
+def prompts(model, rng, counts, per_image) -> dict:
+    """Token ids and mask for rows holding ``counts[r]`` images of ``per_image[k]`` image tokens each (the k-th
+    image of the batch), text around them, the last row left-padded by two."""
+    rows = []
+    k = 0
+    for n in counts:
+        row = list(rng.integers(0, IMAGE_TOKEN, 2))
+        for _ in range(n):
+            row += [IMAGE_TOKEN] * per_image[k] + list(rng.integers(0, IMAGE_TOKEN, 2))
+            k += 1
+        rows.append(row)
+    seq = max(map(len, rows)) + 2
+    ids = np.zeros((len(rows), seq), np.int64)
+    mask = np.zeros((len(rows), seq), np.int64)
+    for r, row in enumerate(rows):
+        ids[r, seq - len(row):], mask[r, seq - len(row):] = row, 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def llava_images(model, rng, counts) -> dict:
+    """A Llava-style batch: one tower row per image, ``tokens_per_image`` image tokens each."""
+    v = model.config.vision
+    n = sum(counts)
+    pixels = rng.normal(size=(n, v.num_channels, v.image_size, v.image_size)).astype(np.float32)
+    return {**prompts(model, rng, counts, [model.tokens_per_image] * n), "pixel_values": pixels}
+
+
+def _wrapper(config, paths, images, seed=4):
+    return Spec(config, make=make_wrapper_checkpoint, seed=seed, images=images,
+                reference=lambda folder, dtype: WrapperReference(folder, dtype, paths))
+
+
 CASES: dict[str, Spec] = {
     **{f"llama-{c}": Spec(lambda c=c: llama_cases.config(c)) for c in llama_cases.CASES},
     **{f"hyperclovax-{c}": _hyperclovax(c) for c in HYPERCLOVAX_CASES},
@@ -91,6 +140,25 @@ CASES: dict[str, Spec] = {
                  reference=TowerReference, tower=True),
     "siglip": Spec(lambda: SiglipVisionConfig(**TOWER), make=make_tower_checkpoint, reference=TowerReference,
                    tower=True),
+    # Llava 1.5: block -2 without the class token
+    "llava": _wrapper(lambda: LlavaConfig(vision_config=dict(model_type="clip_vision_model", **TOWER,
+                                                             hidden_act="quick_gelu"),
+                                          text_config=WRAPPER_TEXT, image_token_index=IMAGE_TOKEN),
+                      LLAVA_PATHS, llava_images),
+    # the whole stream of two blocks, concatenated (one of them block 0's input)
+    "llava-full": _wrapper(lambda: LlavaConfig(vision_config=dict(model_type="clip_vision_model", **TOWER,
+                                                                  hidden_act="quick_gelu"),
+                                               text_config=WRAPPER_TEXT, image_token_index=IMAGE_TOKEN,
+                                               vision_feature_select_strategy="full", vision_feature_layer=[-1, 0],
+                                               multimodal_projector_bias=False, tie_word_embeddings=True),
+                           LLAVA_PATHS, llava_images),
+    # VipLlava: blocks in the config's order, normed
+    "vipllava": _wrapper(lambda: VipLlavaConfig(vision_config=dict(model_type="clip_vision_model", **TOWER,
+                                                                   hidden_act="quick_gelu"),
+                                                text_config=WRAPPER_TEXT, image_token_index=IMAGE_TOKEN,
+                                                vision_feature_layers=[-2, 1, 3]),
+                         LLAVA_PATHS, llava_images),
 }
-MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "clip", "siglip")
-TEXT_MAIN = tuple(c for c in MAIN if not CASES[c].tower)
+MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "clip", "siglip", "llava")
+TEXT_MAIN = tuple(c for c in MAIN if not CASES[c].tower and not CASES[c].wrapper)
+WRAPPERS = tuple(c for c in CASES if CASES[c].wrapper)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -60,8 +61,9 @@ def load(path_or_repo_id, *, dtype=None):
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype(hf)
     files = SafetensorsFiles(folder)
     skeleton = family.skeleton(hf, dtype)
-    prefix = family.stored_prefix(files.keys())
-    entries = [e.under(prefix, "") for e in family.name_map(hf, skeleton) if _get(skeleton, e.path) is not None]
+    stored = stored_names(family.stored_prefixes(hf), files.keys())
+    entries = [dataclasses.replace(e, key=stored(e.key) if isinstance(e.key, str) else tuple(map(stored, e.key)))
+               for e in family.name_map(hf, skeleton) if _get(skeleton, e.path) is not None]
     expected = {k.format(i=i) for e in entries for k in e.keys for i in (e.blocks if e.stacked else [0])}
     missing = sorted(expected - files.keys())
     if missing:
@@ -70,7 +72,7 @@ def load(path_or_repo_id, *, dtype=None):
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
             + f" (the {family.family} name map expects it; files: {', '.join(sorted({files.where(k) for k in files.keys()}))})"
         )
-    ignored = [prefix + pattern for pattern in family.ignored(hf)]
+    ignored = [stored(pattern) for pattern in family.ignored(hf)]
     extra = sorted(k for k in files.keys() - expected if not any(_matches(k, pat) for pat in ignored))
     if extra:
         raise CheckpointError(
@@ -84,6 +86,21 @@ def load(path_or_repo_id, *, dtype=None):
     if unfilled:
         raise RuntimeError(f"{family.family} name map leaves parameters unfilled: {unfilled}")
     return model
+
+
+def stored_names(prefixes: dict[str, tuple[str, ...]], keys):
+    """The function from a name-map key to its stored name: the longest of ``prefixes`` it starts with replaced
+    by the first of that prefix's spellings some stored key starts with (``Family.stored_prefixes``)."""
+    chosen = {}
+    for prefix, spellings in prefixes.items():
+        chosen[prefix] = next((c for c in spellings if any(k.startswith(c) for k in keys)), spellings[-1])
+    order = sorted(chosen, key=len, reverse=True)
+
+    def stored(key: str) -> str:
+        prefix = next((p for p in order if key.startswith(p)), None)
+        return key if prefix is None else chosen[prefix] + key[len(prefix):]
+
+    return stored
 
 
 def _matches(key: str, pattern: str) -> bool:

@@ -3,9 +3,11 @@
 from jstd.models.hyperclovax import HyperCLOVAX
 from jstd.models.llama import Llama
 from jstd.models.olmo_hybrid import OlmoHybrid
+from jstd.vision.llava import Llava, VipLlava
 from jstd.vision.towers import CLIPVision, SiglipVision
 
-FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, CLIPVision, SiglipVision) for t in f.model_types}
+FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, CLIPVision, SiglipVision, Llava, VipLlava)
+            for t in f.model_types}
 
 
 def served_sites() -> dict[str, tuple[str, ...]]:

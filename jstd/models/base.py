@@ -161,6 +161,8 @@ class Family:
         return ()
 
     @classmethod
-    def stored_prefix(cls, keys) -> str:
-        """The prefix of every name-map key in a checkpoint holding ``keys`` (none by default)."""
-        return ""
+    def stored_prefixes(cls, hf) -> dict[str, tuple[str, ...]]:
+        """Where the name map's module prefixes may be stored: prefix -> the spellings checkpoints use, most
+        specific first (hub checkpoints and what transformers saves differ). The loader takes, for each prefix,
+        the first spelling some stored tensor starts with; none by default (keys are stored as mapped)."""
+        return {}

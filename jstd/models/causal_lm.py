@@ -85,10 +85,13 @@ class CausalLM(Model):
         """Final norm, head and whatever follows the head: the logit lens (exact at the last block)."""
         return self.logits_from_norm(self.final_norm(hidden))
 
-    def forward(self, inputs, tap, context=None):
+    def forward(self, inputs, tap, context=None, merge=None):
+        """``(logits, reads)``; ``merge`` (a wrapper's): a function of the token embeddings that puts the image
+        features in, before the embedding multiplier (None: text alone)."""
         tokens, attention_mask = inputs.tokens, inputs.attention_mask
         s = tap.scope()
-        embed = lambda: self.enter_blocks(s("token_embeddings", self.embed[tokens]))
+        merged = (lambda x: x) if merge is None else merge
+        embed = lambda: self.enter_blocks(merged(s("token_embeddings", self.embed[tokens])))
         positions, mask, h = begin(tokens, attention_mask, context, embed)
         dtype = jnp.float32 if self.rotary_in_float32 else h.dtype
         cos_sin = None if self.rotary is None else self.rotary.cos_sin(positions, dtype)

@@ -99,8 +99,9 @@ class Stack(eqx.Module):
         """The (stacked) slot whose blocks have ``host``, None if none has (the first such slot)."""
         return next((slot for slot in self.slots if slot.has(host)), None)
 
-    def __call__(self, h, tap, args: Mapping[str, tuple], pasts: Mapping[str, object] | None = None, first=None):
-        """Run every block over ``h`` in order; return ``(h, reads)``.
+    def __call__(self, h, tap, args: Mapping[str, tuple], pasts: Mapping[str, object] | None = None, first=None,
+                 keep: tuple[int, ...] = ()):
+        """Run every block over ``h`` in order; return ``(h, reads)``, or ``(h, reads, streams)`` with ``keep``.
 
         args: mixer host -> the arguments its mixer takes after the normed stream
             (``{"self_attn": (cos_sin, mask)}``).
@@ -110,6 +111,11 @@ class Stack(eqx.Module):
         first: the first block to run (an int or a traced int; None: block 0).
             Blocks before it pass ``h`` through (``lax.cond``; under a ``vmap``
             over ``first`` both branches run) and their reads are zeros.
+
+        keep: blocks whose output stream (edits included) to return too, as
+            ``streams`` (a list in ``keep``'s order): projectors that read a block
+            before the last. The scan carries them, so the stack's other outputs
+            are not kept.
 
         The reads: site -> its value stacked over ``blocks_for(site)``; for a
         site read at single blocks only (``tap.single``), site -> ``{block: value}``.
@@ -130,7 +136,8 @@ class Stack(eqx.Module):
             return j * len(group) + sum(g < q for g in group)
 
         def run_period(h, j, width):
-            """Blocks ``j * p + q`` for q < width (``j`` traced inside the scan, an int for the tail)."""
+            """Blocks ``j * p + q`` for q < width (``j`` traced inside the scan, an int for the tail); each block's
+            output is appended to ``outs``."""
             records = []
             for q in range(width):
                 block = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), self.slots[q])
@@ -147,12 +154,13 @@ class Stack(eqx.Module):
 
                 h, block_records = step(h) if first is None else _from_block(first, j * p + q, step, h)
                 records.append(block_records)
+                outs.append(h)
             return h, records
 
         # sites read at single blocks only ("layers.5.X"): kept in the scan's carry, not stacked over every block
         single = {site: blocks for site, blocks in tap.single.items() if site.startswith(prefix)}
 
-        def keep(kept, records, j):
+        def keep_single(kept, records, j):
             """Move the single-block reads out of ``records`` (blocks ``j * p + q``; ``j`` an int on the tail)
             into ``kept``."""
             kept = dict(kept)
@@ -166,22 +174,29 @@ class Stack(eqx.Module):
                             kept[site, i] = jnp.where(j == i // p, value, kept[site, i])
             return kept
 
+        outs: list = []  # each block's output in the period being traced (run_period appends)
         kept = {}
         if single:
             shapes = jax.eval_shape(lambda h: run_period(h, 0, p)[1], h)
             kept = {(site, i): jnp.zeros(shapes[i % p][site].shape, shapes[i % p][site].dtype)
                     for site, blocks in single.items() for i in blocks if i < n * p}
 
-        def body(carry, j):
-            h, kept = carry
-            h, records = run_period(h, j, p)
-            return (h, keep(kept, records, j)), records
+        streams = {i: jnp.zeros_like(h) for i in keep if i < n * p}
 
-        (h, kept), period_reads = jax.lax.scan(body, (h, kept), jnp.arange(n))
+        def body(carry, j):
+            h, kept, streams = carry
+            outs.clear()
+            h, records = run_period(h, j, p)
+            streams = {i: jnp.where(j == i // p, outs[i % p], v) for i, v in streams.items()}
+            return (h, keep_single(kept, records, j), streams), records
+
+        (h, kept, streams), period_reads = jax.lax.scan(body, (h, kept, streams), jnp.arange(n))
         tail_reads = []
         if tail:
+            outs.clear()
             h, tail_reads = run_period(h, n, tail)
-            kept = keep(kept, tail_reads, n)
+            kept = keep_single(kept, tail_reads, n)
+            streams.update({i: outs[i - n * p] for i in keep if i >= n * p})
 
         reads = {}
         for site, i in kept:
@@ -193,7 +208,7 @@ class Stack(eqx.Module):
             if extra:
                 value = jnp.concatenate([value, jnp.stack(extra)])
             reads[site] = value
-        return h, reads
+        return (h, reads, [streams[i] for i in keep]) if keep else (h, reads)
 
     # ---- building --------------------------------------------------------------
     @classmethod

@@ -15,16 +15,36 @@ vision-language wrapper holds the same ``VisionTower``.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
 
 from jstd.io.namemap import Entry
 from jstd.models.base import Model, param
 from jstd.models.layers import LayerNorm
 from jstd.models.stack import Stack
+
+
+def resampled_positions(patch_mask: Bool[Array, "images rows columns"], side: int) -> Int[Array, "images grid"]:
+    """Each patch's position id when an image's real patches (``patch_mask``) are resampled onto a ``side`` ×
+    ``side`` position grid: fractional row and column coordinates bucketized (float32, as transformers does);
+    padding patches take position 0. The boundaries are k / side rounded to float32 (torch builds them with
+    ``arange``, whose last bits depend on its CPU kernel's vector width; a coordinate within an ulp of a boundary
+    may land in the other bucket there)."""
+    boundaries = jnp.asarray(np.arange(1, side) / side, jnp.float32)
+    rows = patch_mask[:, :, 0].sum(axis=1).astype(jnp.float32)
+    cols = patch_mask[:, 0, :].sum(axis=1).astype(jnp.float32)
+
+    def bucket(count, n):
+        frac = jnp.arange(n, dtype=jnp.float32)[None, :] * (1.0 / count)[:, None]
+        return jnp.searchsorted(boundaries, jnp.minimum(frac, 1.0 - 1e-6), side="right")
+
+    ids = bucket(rows, patch_mask.shape[1])[:, :, None] * side + bucket(cols, patch_mask.shape[2])[:, None, :]
+    return jnp.where(patch_mask, ids, 0).reshape(patch_mask.shape[0], -1)
 
 
 class VisionTower(eqx.Module):
@@ -50,8 +70,18 @@ class VisionTower(eqx.Module):
         x = pixel_values.reshape(n, c, height // p, p, width // p, p).transpose(0, 2, 4, 1, 3, 5)
         return x.reshape(n, (height // p) * (width // p), c * p * p)
 
-    def __call__(self, pixel_values: Float[Array, "images channels height width"], tap):
-        """``(tower_output, reads)`` for a batch of images, the reads by whole name."""
+    def __call__(self, pixel_values: Float[Array, "images channels height width"], tap, streams: tuple[int, ...] = (),
+                 patch_mask: Bool[Array, "images rows columns"] | None = None):
+        """``(tower_output, reads)`` for a batch of images, the reads by whole name; with ``streams``,
+        ``(tower_output, [stream, ...], reads)``.
+
+        streams: indices into the tower's hidden states as transformers counts them (0: the stream entering
+            block 0; k > 0: block k - 1's ``layer_output``, edits included; negative: from the end, -1 the last
+            block's output), for projectors that read blocks before the last.
+        patch_mask: which patches hold image (NaViT-style towers, Idefics 3): padding patches are masked as keys
+            and each image's position ids are its real patch grid resampled onto the tower's (bucketized
+            fractional coordinates, as transformers computes them); None: every patch is real.
+        """
         s = tap.scope("vision.")
         dtype = self.patch_embedding.dtype
         x = self.patches(pixel_values.astype(dtype)) @ self.patch_embedding
@@ -59,12 +89,28 @@ class VisionTower(eqx.Module):
         if self.class_embedding is not None:
             cls = jnp.broadcast_to(self.class_embedding, (x.shape[0], 1, x.shape[2]))
             x = jnp.concatenate([cls, x], axis=1)
-        x = x + self.position_embedding
+        if patch_mask is None:
+            x = x + self.position_embedding
+            mask = None
+        else:
+            x = x + self.position_embedding[resampled_positions(patch_mask, self.grid_side)]
+            mask = patch_mask.reshape(patch_mask.shape[0], 1, 1, -1)
         if self.pre_norm is not None:
             x = self.pre_norm(x)
-        h, reads = self.layers(x, tap, {"self_attn": (None, None)})
+        depth = self.layers.depth
+        wanted = tuple(sorted({i % (depth + 1) for i in streams}))
+        kept = tuple(i - 1 for i in wanted if i > 0)
+        h, reads, *after = self.layers(x, tap, {"self_attn": (None, mask)}, keep=kept)
         out = s("tower_output", h if self.post_norm is None else self.post_norm(h))
-        return out, {**s.records, **reads}
+        if not streams:
+            return out, {**s.records, **reads}
+        by_index = {0: x, **{i + 1: v for i, v in zip(kept, after[0] if after else [])}}
+        return out, [by_index[i % (depth + 1)] for i in streams], {**s.records, **reads}
+
+    @property
+    def grid_side(self) -> int:
+        """Patches per side of the square grid the position embedding covers."""
+        return math.isqrt(self.position_embedding.shape[0] - (self.class_embedding is not None))
 
     def name_map(self, path: str, key: str, names: dict) -> list[Entry]:
         """The tower's entries under ``path`` in the model and ``key`` in the checkpoint; ``names``: the

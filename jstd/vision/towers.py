@@ -85,9 +85,9 @@ class ViTFamily(Family):
         return skeleton.vision.name_map("vision", "", VIT_NAMES)
 
     @classmethod
-    def stored_prefix(cls, keys) -> str:
+    def stored_prefixes(cls, hf) -> dict[str, tuple[str, ...]]:
         """Hub checkpoints keep the tower under ``vision_model.``; transformers 5 saves it at the top level."""
-        return "vision_model." if any(k.startswith("vision_model.") for k in keys) else ""
+        return {"": ("vision_model.", "")}
 
 
 class CLIPVision(ViTFamily):
@@ -102,3 +102,6 @@ class SiglipVision(ViTFamily):
     model_types = ("siglip_vision_model",)
     class_token, patch_bias, pre_norm, post_norm = False, True, False, True
     unused = ("head.*",)  # the attention-pooling head produces the pooled output, no standard value
+
+
+TOWERS = {t: f for f in (CLIPVision, SiglipVision) for t in f.model_types}

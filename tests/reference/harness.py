@@ -209,8 +209,10 @@ class TorchReference:
         return module.register_forward_hook(post)
 
     @contextlib.contextmanager
-    def _attention(self, tap):
-        original = self.modeling.eager_attention_forward
+    def _attention(self, tap, modeling=None):
+        """The capturing eager attention bound in ``modeling`` (the family's modeling module by default)."""
+        modeling = modeling or self.modeling
+        original = modeling.eager_attention_forward
 
         def eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
             i = module.layer_idx
@@ -230,11 +232,11 @@ class TorchReference:
             out = tap("layers.self_attn.attention_head_outputs", i, out)
             return out, probs
 
-        self.modeling.eager_attention_forward = eager
+        modeling.eager_attention_forward = eager
         try:
             yield
         finally:
-            self.modeling.eager_attention_forward = original
+            modeling.eager_attention_forward = original
 
     @contextlib.contextmanager
     def _linear_attention(self, tap, reads):

@@ -1,0 +1,45 @@
+"""The merge every vision-language wrapper shares: image features scattered into the token embeddings at the
+image tokens, with static shapes.
+
+The ``k``-th image token of the batch (row-major: batch rows in order, positions in order within a row) takes
+the ``k``-th feature row: a cumulative sum over the mask gives each position its feature index, a gather reads
+the features and ``where`` keeps the text embeddings elsewhere. No shape depends on the data, so it jits and
+vmaps; a prompt without images simply has no image tokens.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+
+def image_token_mask(tokens: Int[Array, "batch seq"], image_token_id: int) -> Bool[Array, "batch seq"]:
+    return tokens == image_token_id
+
+
+def check_image_tokens(tokens: Int[Array, "batch seq"], image_token_id: int, features: int, what: str):
+    """``tokens``, checked to hold exactly ``features`` image tokens: a ValueError at once for concrete ids, an
+    equinox runtime error under jit. ``what`` says where the features come from (the images)."""
+    msg = (f"the prompts hold {{}} image tokens (id {image_token_id}) but {what} give {features} image features; "
+           "build the prompt and the images with the model's processor, one image placeholder per image "
+           "(jstd.Inputs.of(processor(text=..., images=..., return_tensors='np')))")
+    if not isinstance(tokens, jax.core.Tracer):
+        count = int((np.asarray(tokens) == image_token_id).sum())
+        if count != features:
+            raise ValueError(msg.format(count))
+        return tokens
+    count = (tokens == image_token_id).sum()
+    return eqx.error_if(tokens, count != features, msg.format("a different number of"))
+
+
+def scatter(embeddings: Float[Array, "batch seq hidden"], mask: Bool[Array, "batch seq"],
+            features: Float[Array, "image_tokens hidden"]) -> Float[Array, "batch seq hidden"]:
+    """``embeddings`` with the ``k``-th True position of ``mask`` (row-major) replaced by ``features[k]``, cast to
+    the embeddings' dtype. The caller has checked that ``mask`` holds ``len(features)`` positions."""
+    if features.shape[0] == 0:
+        return embeddings
+    index = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, features.shape[0] - 1).reshape(mask.shape)
+    return jnp.where(mask[..., None], features.astype(embeddings.dtype)[index], embeddings)
