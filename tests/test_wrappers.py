@@ -159,8 +159,8 @@ def test_pil_images_through_the_processor(llava_with_processor):
     processor = jstd.load_processor(folder)
     rng = np.random.default_rng(3)
     images = [Image.fromarray(rng.integers(0, 256, (37, 50, 3), np.uint8)),
-              Image.fromarray(rng.integers(0, 256, (40, 40, 4), np.uint8), "RGBA").convert("RGB"),
-              Image.fromarray(rng.integers(0, 256, (30, 20), np.uint8), "L").convert("RGB")]
+              Image.fromarray(rng.integers(0, 256, (40, 40, 4), np.uint8), "RGBA"),
+              Image.fromarray(rng.integers(0, 256, (30, 20), np.uint8), "L")]
     texts = ["a <image> and <image> here", "and <image> there"]
     batch = processor(text=texts, images=images, return_tensors="np", padding=True)
     inputs = jstd.Inputs.of(batch)
@@ -181,3 +181,31 @@ def test_hub_key_layout_loads(zoo, tmp_path):
     (tmp_path / "config.json").write_text((case.folder / "config.json").read_text())
     inputs, _ = case.spec.inputs(case.model)
     assert_close(jit_run(jstd.load(tmp_path), inputs).logits, jit_run(case.model, inputs).logits, 0, "hub layout")
+
+
+def test_a_context_continues_an_image_prompt(zoo):
+    """Text after an image prompt, continuing its cache (jstd.Context), gives the whole run's values there."""
+    case = zoo("llava")
+    inputs, _ = case.spec.inputs(case.model, counts=(1, 1))
+    tokens, mask = np.asarray(inputs.tokens), np.asarray(inputs.attention_mask)
+    start = tokens.shape[1] - 2  # the prompts end with two text tokens
+    whole = jit_run(case.model, inputs, reads=("layers.layer_output",) + jstd.Context.sites_for(case.model))
+    positions = np.broadcast_to(np.arange(start, tokens.shape[1]), (tokens.shape[0], tokens.shape[1] - start))
+    context = jstd.Context.continuing(case.model, whole, positions, mask=mask)
+    suffix = jstd.run(case.model, tokens[:, start:], reads=("layers.layer_output",), context=context)
+    assert_close(suffix.logits, whole.logits[:, start:], 1e-5, "logits after the image prompt")
+    assert_close(suffix["layers.layer_output"], whole["layers.layer_output"][:, :, start:], 1e-5, "stream")
+
+
+def test_unsupported_parts_are_named():
+    """A wrapper whose text model or tower jstd does not have says which, and what it has."""
+    from transformers import LlavaConfig
+
+    from jstd.models import FAMILIES
+
+    mistral = LlavaConfig(text_config=dict(model_type="mistral"))
+    with pytest.raises(ValueError, match="'mistral' is not supported; jstd's text families: .*llama"):
+        FAMILIES["llava"].skeleton(mistral, np.float32)
+    pixtral = LlavaConfig(vision_config=dict(model_type="pixtral"))
+    with pytest.raises(ValueError, match="'pixtral' is not supported; jstd's towers: clip_vision_model"):
+        FAMILIES["llava"].skeleton(pixtral, np.float32)
