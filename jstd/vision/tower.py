@@ -131,6 +131,16 @@ class VisionTower(eqx.Module):
         return entries + self.layers.name_map(f"{path}.layers", f"{key}{names['layers']}.{{i}}.", lambda kind: names)
 
 
+def check_pixels(pixels, want: tuple[int, ...], what: str) -> None:
+    """Raise ValueError unless ``pixels`` is floating point of shape ``[images, *want]``."""
+    if np.ndim(pixels) != len(want) + 1 or tuple(np.shape(pixels)[1:]) != want:
+        raise ValueError(f"pixel_values has shape {tuple(np.shape(pixels))}; {what} takes "
+                         f"[images, {', '.join(map(str, want))}] (its image processor makes them)")
+    dtype = pixels.dtype if hasattr(pixels, "dtype") else np.asarray(pixels).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"pixel_values must be floating point (the processor's normalized pixels), got {dtype}")
+
+
 class VisionModel(Model):
     """A vision tower loaded alone (``clip_vision_model``, ``siglip_vision_model``): every ``vision.*`` value,
     ``logits`` None."""
@@ -153,13 +163,7 @@ class VisionModel(Model):
             raise ValueError(f"this {self.family} model runs on images: pass jstd.Inputs(images={{'pixel_values': "
                              f"[images, {v.num_channels}, {v.image_size}, {v.image_size}]}}), e.g. "
                              "jstd.Inputs.of(image_processor(images, return_tensors='np'))")
-        want = (v.num_channels, v.image_size, v.image_size)
-        if jnp.ndim(pixels) != 4 or tuple(jnp.shape(pixels)[1:]) != want:
-            raise ValueError(f"pixel_values has shape {tuple(jnp.shape(pixels))}; this tower takes "
-                             f"[images, {', '.join(map(str, want))}] (the image processor resizes to it)")
-        dtype = pixels.dtype if hasattr(pixels, "dtype") else jnp.asarray(pixels).dtype
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"pixel_values must be floating point (the processor's normalized pixels), got {dtype}")
+        check_pixels(pixels, (v.num_channels, v.image_size, v.image_size), "this tower")
 
     def forward(self, inputs, tap, context=None):
         out, reads = self.vision(jnp.asarray(inputs.images["pixel_values"]), tap)

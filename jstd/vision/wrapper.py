@@ -32,7 +32,7 @@ from jstd.io.namemap import Entry
 from jstd.models.base import Family, Model
 from jstd.models.causal_lm import TEXT_MODEL_SITES, CausalLM
 from jstd.vision.scatter import check_image_tokens, image_token_mask, scatter
-from jstd.vision.tower import VisionTower
+from jstd.vision.tower import VisionTower, check_pixels
 
 WRAPPER_SITES = frozenset({"projector.input", "projector.output", "vision.image_features", "vision.image_token_mask"})
 
@@ -90,11 +90,7 @@ class VisionLanguageModel(Model):
     def check_images(self, images: dict) -> None:
         """Raise ValueError where the image arrays do not fit the tower (the default: ``[images, C, H, W]``)."""
         v = self.config.vision
-        pixels = images.get("pixel_values")
-        want = (v.num_channels, v.image_size, v.image_size)
-        if np.ndim(pixels) != 4 or tuple(np.shape(pixels)[1:]) != want:
-            raise ValueError(f"pixel_values has shape {tuple(np.shape(pixels))}; this {self.family} model takes "
-                             f"[images, {', '.join(map(str, want))}] (its image processor makes them)")
+        check_pixels(images["pixel_values"], (v.num_channels, v.image_size, v.image_size), f"this {self.family} model")
 
     def check_inputs(self, inputs: Inputs) -> None:
         if inputs.tokens is None:
@@ -105,10 +101,6 @@ class VisionLanguageModel(Model):
                 raise ValueError(f"the images hold no pixel_values (keys: {sorted(inputs.images)}); pass the "
                                  "processor's output")
             self.check_images(inputs.images)
-            dtype = np.asarray(inputs.images["pixel_values"]).dtype if not hasattr(
-                inputs.images["pixel_values"], "dtype") else inputs.images["pixel_values"].dtype
-            if not jnp.issubdtype(dtype, jnp.floating):
-                raise ValueError(f"pixel_values must be floating point (the processor's normalized pixels), got {dtype}")
 
     def forward(self, inputs: Inputs, tap, context=None):
         s = tap.scope()
