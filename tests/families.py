@@ -13,7 +13,9 @@ import dataclasses
 from typing import Callable
 
 import numpy as np
-from transformers import CLIPVisionConfig, HyperCLOVAXConfig, LlavaConfig, SiglipVisionConfig, VipLlavaConfig
+from transformers import (CLIPVisionConfig, DeepseekVLConfig, HyperCLOVAXConfig, LlavaConfig, SiglipVisionConfig,
+                          VipLlavaConfig)
+from transformers import LlavaNextConfig
 
 import llama_cases
 import olmo_hybrid_cases
@@ -52,6 +54,7 @@ IMAGES = 2
 WRAPPER_TEXT = dict(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 IMAGE_TOKEN = 96
+ASSET_TOKENIZER = __import__("pathlib").Path(__file__).parents[1] / "jstd" / "assets" / "tiny-llama"
 LLAVA_PATHS = dict(tower="model.vision_tower", text="model.language_model", projector="model.multi_modal_projector")
 
 
@@ -127,6 +130,76 @@ def llava_images(model, rng, counts) -> dict:
     return {**prompts(model, rng, counts, [model.tokens_per_image] * n), "pixel_values": pixels}
 
 
+# LLaVA-NeXT: original (height, width) sizes cut into different crop grids by LLAVA_NEXT_PINPOINTS (a wide 1x2,
+# a tall 2x1, a 2x2 one), each unpadded differently
+LLAVA_NEXT_PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+LLAVA_NEXT_SIZES = ((12, 60), (61, 47), (60, 14), (33, 30))
+
+
+def llava_next_tokens(config, size) -> int:
+    """An image's LLaVA-NeXT features by transformers' own functions: base crop's patches, then the unpadded crop
+    grid's patches with a newline per row."""
+    import torch
+    from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+
+    v = config.vision_config
+    side = v.image_size // v.patch_size
+    rows, cols = get_anyres_image_grid_shape(list(size), config.image_grid_pinpoints, v.image_size)
+    _, height, width = unpad_image(torch.zeros(1, rows * side, cols * side), list(size)).shape
+    return side * side + height * (width + 1)
+
+
+def llava_next_images(model, rng, counts, sizes=LLAVA_NEXT_SIZES) -> dict:
+    """A LLaVA-NeXT batch: image ``k`` of original size ``sizes[k]`` as the processor lays it out,
+    ``pixel_values [images, max_crops, C, H, W]`` (an image's crops first, zeros after) and ``image_sizes``."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    v = model.config.vision
+    config = LlavaNextConfig(vision_config=dict(model_type="clip_vision_model", image_size=v.image_size,
+                                                patch_size=v.patch_size),
+                             image_grid_pinpoints=[list(p) for p in model.grid_pinpoints])
+    n = sum(counts)
+    sizes = [tuple(sizes[k % len(sizes)]) for k in range(n)]
+    crops = [image_size_to_num_patches(list(s), config.image_grid_pinpoints, v.image_size) for s in sizes]
+    pixels = np.zeros((n, max(crops), v.num_channels, v.image_size, v.image_size), np.float32)
+    for k, c in enumerate(crops):
+        pixels[k, :c] = rng.normal(size=(c, v.num_channels, v.image_size, v.image_size))
+    per_image = [llava_next_tokens(config, s) for s in sizes]
+    return {**prompts(model, rng, counts, per_image), "pixel_values": pixels,
+            "image_sizes": np.array(sizes, np.int64)}
+
+
+# Idefics 3 / SmolVLM: image k is IDEFICS3_TILES[k] tiles (the processor's crops and the whole image), each a slot
+# of pixel_values [batch, max_tiles, C, H, W]; a row with fewer tiles is padded with all-zero slots; the last real
+# tile is padded below and to the right (pixel_attention_mask 0 there, pixels 0), its last real patch row and
+# column half real
+IDEFICS3_TILES = (2, 2, 1)
+IDEFICS3_PATHS = dict(tower="model.vision_model", text="model.text_model", projector="model.connector")
+
+
+def idefics3_images(model, rng, counts) -> dict:
+    """An Idefics 3 batch as its processor lays it out: ``pixel_values`` and ``pixel_attention_mask``."""
+    v = model.config.vision
+    tiles, k = [], 0
+    for n in counts:
+        tiles.append(sum(IDEFICS3_TILES[(k + i) % len(IDEFICS3_TILES)] for i in range(n)))
+        k += n
+    size = v.image_size
+    pixels = np.zeros((len(counts), max(tiles), v.num_channels, size, size), np.float32)
+    mask = np.zeros((len(counts), max(tiles), size, size), np.int64)
+    for r, t in enumerate(tiles):
+        pixels[r, :t] = rng.normal(size=(t, v.num_channels, size, size))
+        mask[r, :t] = 1
+    r, t = len(counts) - 1, tiles[-1] - 1
+    high, wide = size - v.patch_size - v.patch_size // 2, size // 2 + v.patch_size // 2
+    mask[r, t] = 0
+    mask[r, t, :high, :wide] = 1
+    pixels[r, t] *= mask[r, t]
+    per_tile = (v.image_size // v.patch_size) ** 2 // model.scale ** 2
+    return {**prompts(model, rng, tiles, [per_tile] * sum(tiles)), "pixel_values": pixels,
+            "pixel_attention_mask": mask}
+
+
 def _wrapper(config, paths, images, seed=4):
     return Spec(config, make=make_wrapper_checkpoint, seed=seed, images=images,
                 reference=lambda folder, dtype: WrapperReference(folder, dtype, paths))
@@ -158,6 +231,28 @@ CASES: dict[str, Spec] = {
                                                 text_config=WRAPPER_TEXT, image_token_index=IMAGE_TOKEN,
                                                 vision_feature_layers=[-2, 1, 3]),
                          LLAVA_PATHS, llava_images),
+    # DeepSeek-VL: the aligner on the SigLIP tower's normed output, a tied head
+    "deepseek_vl": _wrapper(lambda: DeepseekVLConfig(vision_config=dict(model_type="siglip_vision_model", **TOWER),
+                                                     text_config=WRAPPER_TEXT, image_token_id=IMAGE_TOKEN),
+                            dict(tower="model.vision_model", text="model.language_model", projector="model.aligner"),
+                            llava_images),
+    # LLaVA-NeXT: crops of a best-fit grid, the projector's output unpadded, a newline per row
+    "llava_next": _wrapper(lambda: LlavaNextConfig(vision_config=dict(model_type="clip_vision_model", **TOWER,
+                                                                      hidden_act="quick_gelu"),
+                                                   text_config=WRAPPER_TEXT, image_token_index=IMAGE_TOKEN,
+                                                   image_grid_pinpoints=LLAVA_NEXT_PINPOINTS),
+                           LLAVA_PATHS, llava_next_images),
+    # Idefics 3: 4 × 4 patches per tile, a 2 × 2 pixel shuffle (4 tokens a tile)
+    "idefics3": _wrapper(lambda: __import__("transformers").Idefics3Config(
+                             vision_config=dict(model_type="idefics3_vision", **TOWER), text_config=WRAPPER_TEXT,
+                             image_token_id=IMAGE_TOKEN, scale_factor=2),
+                         IDEFICS3_PATHS, idefics3_images),
+    # SmolVLM: 6 × 6 patches per tile, a 3 × 3 pixel shuffle (4 tokens a tile), a tied head
+    "smolvlm": _wrapper(lambda: __import__("transformers").SmolVLMConfig(
+                            vision_config=dict(model_type="smolvlm_vision", **{**TOWER, "image_size": 48}),
+                            text_config=WRAPPER_TEXT, image_token_id=IMAGE_TOKEN, scale_factor=3,
+                            tie_word_embeddings=True),
+                        IDEFICS3_PATHS, idefics3_images),
 }
 MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "clip", "siglip", "llava")
 TEXT_MAIN = tuple(c for c in MAIN if not CASES[c].tower and not CASES[c].wrapper)

@@ -3,10 +3,14 @@
 from jstd.models.hyperclovax import HyperCLOVAX
 from jstd.models.llama import Llama
 from jstd.models.olmo_hybrid import OlmoHybrid
+from jstd.vision.deepseek_vl import DeepseekVL
+from jstd.vision.idefics3 import Idefics3, SmolVLM
 from jstd.vision.llava import Llava, VipLlava
+from jstd.vision.llava_next import LlavaNext
 from jstd.vision.towers import CLIPVision, SiglipVision
 
-FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, CLIPVision, SiglipVision, Llava, VipLlava)
+FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, CLIPVision, SiglipVision, Llava, VipLlava, DeepseekVL, LlavaNext,
+                           Idefics3, SmolVLM)
             for t in f.model_types}
 
 
