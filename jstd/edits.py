@@ -25,7 +25,9 @@ from jaxtyping import Array, ArrayLike, Bool, Int
 
 from jstd.sites import SITES, SiteError, parse
 
-POSITION_AXES = ("seq", "query", "patches", "grid")
+# what ``positions=`` selects: text positions, patches, and the image-token rows a wrapper's projector returns
+# (``projector.output``: one image's tokens; ``vision.image_features``: every image token of the batch, in order)
+POSITION_AXES = ("seq", "query", "patches", "grid", "tokens", "image_tokens")
 HEAD_AXES = ("heads", "kv_heads")
 
 

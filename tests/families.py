@@ -254,6 +254,6 @@ CASES: dict[str, Spec] = {
                             tie_word_embeddings=True),
                         IDEFICS3_PATHS, idefics3_images),
 }
-MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "clip", "siglip", "llava")
+MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "clip", "siglip", "llava", "idefics3")
 TEXT_MAIN = tuple(c for c in MAIN if not CASES[c].tower and not CASES[c].wrapper)
 WRAPPERS = tuple(c for c in CASES if CASES[c].wrapper)

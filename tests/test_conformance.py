@@ -41,7 +41,8 @@ def layout_sizes(model, site: str, inputs) -> dict[str, int]:
         if (spec.stack or site).startswith("vision"):
             n = model.config.vision.positions
             sizes.update(query=n, key=n)
-        sizes.update(images=inputs.images["pixel_values"].shape[0],
+        towered = model.tower_images(inputs)[0] if hasattr(model, "tower_images") else inputs.images["pixel_values"]
+        sizes.update(images=towered.shape[0],
                      image_tokens=int((np.asarray(tokens) == getattr(model, "image_token_id", -1)).sum()))
     if spec.host.endswith("linear_attn"):
         mixer = model.stacks[spec.stack].slot_with("linear_attn").attn
@@ -178,7 +179,8 @@ def test_edits_match_torch_hooks(zoo, name):
     reads = tuple(f"{stack}.layer_output" for stack in model.stacks)
     reads += ("vision.tower_output",) if "layers" not in model.stacks else ()
     clean = ref.run(ref_inputs, reads=(final_site(model),))[final_site(model)]
-    seq = np.shape(inputs.tokens if isinstance(inputs, jstd.Inputs) else inputs)[-1]
+    tokens = inputs.tokens if isinstance(inputs, jstd.Inputs) else inputs
+    seq = None if tokens is None else np.shape(tokens)[-1]
     for label, edits, torch_edits in _edit_cases(model, seq):
         out = jit_run(model, inputs, edits, reads=reads)
         want = ref.run(ref_inputs, reads=reads + ("logits",), edits=torch_edits)

@@ -9,14 +9,18 @@ RECIPES = Path(__file__).parents[1] / "docs" / "recipes.md"
 
 
 def sections():
-    """(heading, code) for every python block, in order; the first is the set-up."""
-    out, heading = [], None
+    """(heading, code) for every python block, in order; the first is the set-up. A ``##`` section whose first
+    block starts with ``# set-up`` runs it before each of its later blocks (each under its ``###`` heading)."""
+    out, heading, local = [], None, ""
     text = RECIPES.read_text()
-    for m in re.finditer(r"^## ([^\n]+)$|^```python\n(.*?)^```", text, re.M | re.S):
+    for m in re.finditer(r"^(##|###) ([^\n]+)$|^```python\n(.*?)^```", text, re.M | re.S):
         if m.group(1):
-            heading = m.group(1).strip()
+            heading = m.group(2).strip()
+            local = "" if m.group(1) == "##" else local
+        elif m.group(3).startswith("# set-up") and not local:
+            local = m.group(3)
         else:
-            out.append((heading, m.group(2)))
+            out.append((heading, local + m.group(3)))
     return out
 
 

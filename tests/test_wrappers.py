@@ -72,9 +72,10 @@ def _torch_edits_agree(case, edits, torch_edits, reads=("logits",), seed=7):
     return out
 
 
-@pytest.mark.parametrize("name", ["llava", "deepseek_vl"])
-def test_edits_at_the_merge_and_in_the_tower_match_torch(zoo, name):
-    case = zoo(name)
+def test_edits_at_the_merge_and_in_the_tower_match_torch(zoo):
+    """Zero the image features, patch one image token from another image, edit a tower block: as torch hooks do
+    (Idefics 3's edits run in the conformance suite)."""
+    case = zoo("llava")
     model = case.model
     inputs, _ = case.spec.inputs(model, seed=7)
     n = int(image_mask(model, inputs).sum())

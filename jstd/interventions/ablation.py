@@ -26,6 +26,8 @@ from jstd.inputs import as_inputs
 from jstd.interventions.reading import block_entry, read
 from jstd.sites import SITES, SiteError, parse
 
+IMAGE_SITES = ("vision.", "projector.")  # sites whose positions are patches or image tokens, not the prompt's
+
 
 def zero_ablation(site: str, *, layer=None, positions=None, heads=None, where=None) -> Zero:
     """Replace ``site`` by zeros at ``layer`` (None: every block), ``positions`` and ``heads``.
@@ -55,7 +57,7 @@ def site_mean(
     exclude_first: bool = True, attention_mask: Int[Array, "batch seq"] | None = None, edits=(),
 ) -> Array:
     """The mean of ``site``'s value over the rows (and positions) of a run on ``tokens`` (token ids with
-    ``attention_mask``, or a ``jstd.Inputs``; on images every patch counts).
+    ``attention_mask``, or a ``jstd.Inputs``; at vision and projector sites every patch and image token counts).
 
     Returns an array that broadcasts against the site's per-block value (the
     batch and averaged axes kept with size 1), stacked over the blocks that have
@@ -78,10 +80,8 @@ def site_mean(
     stacked = spec.per_block
     off = 1 if stacked else 0
     pos_axis, _ = site_axes(site)
-    w = None
-    if pos_axis is not None and inputs.tokens is None:  # images: every patch of every image counts
-        w = np.ones((value.shape[off], value.shape[off + pos_axis]), np.float32)
-    elif pos_axis is not None:
+    w = None  # images (a tower's or a wrapper's vision sites): every patch and image token counts
+    if pos_axis is not None and inputs.tokens is not None and not site.startswith(IMAGE_SITES):
         w = token_weights(inputs.tokens, inputs.attention_mask, exclude_first and not per_position)
         if not isinstance(w, jax.core.Tracer) and float(w.sum()) == 0:
             raise SiteError(f"the mean of {site} counts no position: every position is padding or excluded (exclude_first)")
@@ -93,10 +93,12 @@ def site_mean(
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _weighted_mean(value, w, batch_axis: int, pos_axis: int | None, per_position: bool):
-    """The mean over the batch axis (and the position axis, weighted by ``w`` [batch, seq]), axes kept."""
+    """The mean over the batch axis (and the position axis, weighted by ``w`` [batch, seq] or unweighted when
+    ``w`` is None), axes kept."""
     x = value.astype(jnp.float32)
-    if pos_axis is None:
-        return jnp.mean(x, axis=batch_axis, keepdims=True).astype(value.dtype)
+    if pos_axis is None or w is None:  # unweighted: over the batch (and every position unless per_position)
+        axes = {batch_axis} | ({batch_axis + pos_axis} if pos_axis is not None and not per_position else set())
+        return jnp.mean(x, axis=tuple(sorted(axes)), keepdims=True).astype(value.dtype)
     shape = [1] * value.ndim
     shape[batch_axis], shape[batch_axis + pos_axis] = w.shape
     w = w.reshape(shape)

@@ -58,8 +58,8 @@ def contrastive_vector(
     base, index = parse(site)
     stacked = SITES[base].per_block and layer is None and index is None
     pos_axis, _ = site_axes(base)
-    drop = [0] + ([pos_axis] if pos_axis is not None else [])
-    return jnp.squeeze(diff, axis=tuple(a + int(stacked) for a in drop))
+    drop = {0} | ({pos_axis} if pos_axis is not None else set())  # one axis on vision.image_features
+    return jnp.squeeze(diff, axis=tuple(sorted(a + int(stacked) for a in drop)))
 
 
 def optimize(

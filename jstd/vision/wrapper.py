@@ -81,10 +81,9 @@ class VisionLanguageModel(Model):
     @property
     def discarded(self) -> frozenset[str]:
         """Values the model computes that nothing downstream reads (edits there change nothing):
-        ``vision.tower_output`` where the projector reads earlier blocks (Llava 1.5, VipLlava, LLaVA-NeXT)."""
-        if not self.streams or any(i % (self.vision.layers.depth + 1) == self.vision.layers.depth for i in self.streams):
-            return frozenset()
-        return frozenset({"vision.tower_output"})
+        ``vision.tower_output`` where the projector reads the tower's hidden states (Llava 1.5, VipLlava,
+        LLaVA-NeXT), as transformers does — even the last one, which is the last block's ``layer_output``."""
+        return frozenset({"vision.tower_output"}) if self.streams else frozenset()
 
     # ---- shared ----------------------------------------------------------------
     def check_images(self, images: dict) -> None:
