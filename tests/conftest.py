@@ -10,6 +10,15 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop every compiled program after each test module. Each XLA CPU executable holds memory mappings of its
+    code, and one process compiling the whole suite's programs passes the kernel's map limit (vm.max_map_count,
+    65530): the next compile then aborts or segfaults inside LLVM."""
+    yield
+    jax.clear_caches()
+
+
 def assert_close(actual, expected, rtol=1e-5, name=""):
     """Elementwise |a - b| <= rtol·|b| + rtol·max|b| (relative to the value's own scale).
 
