@@ -72,8 +72,8 @@ class VisionTower(eqx.Module):
 
     def __call__(self, pixel_values: Float[Array, "images channels height width"], tap, streams: tuple[int, ...] = (),
                  patch_mask: Bool[Array, "images rows columns"] | None = None):
-        """``(tower_output, reads)`` for a batch of images, the reads by whole name; with ``streams``,
-        ``(tower_output, [stream, ...], reads)``.
+        """``(tower_output, [stream, ...], reads)`` for a batch of images: the hidden states ``streams`` names,
+        in its order, and the reads by whole name.
 
         streams: indices into the tower's hidden states as transformers counts them (0: the stream entering
             block 0; k > 0: block k - 1's ``layer_output``, edits included; negative: from the end, -1 the last
@@ -102,8 +102,6 @@ class VisionTower(eqx.Module):
         kept = tuple(i - 1 for i in wanted if i > 0)
         h, reads, *after = self.layers(x, tap, {"self_attn": (None, mask)}, keep=kept)
         out = s("tower_output", h if self.post_norm is None else self.post_norm(h))
-        if not streams:
-            return out, {**s.records, **reads}
         by_index = {0: x, **{i + 1: v for i, v in zip(kept, after[0] if after else [])}}
         return out, [by_index[i % (depth + 1)] for i in streams], {**s.records, **reads}
 
@@ -166,5 +164,5 @@ class VisionModel(Model):
         check_pixels(pixels, (v.num_channels, v.image_size, v.image_size), "this tower")
 
     def forward(self, inputs, tap, context=None):
-        out, reads = self.vision(jnp.asarray(inputs.images["pixel_values"]), tap)
+        out, _, reads = self.vision(jnp.asarray(inputs.images["pixel_values"]), tap)
         return None, reads

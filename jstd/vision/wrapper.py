@@ -116,7 +116,7 @@ class VisionLanguageModel(Model):
         else:
             tokens = check_image_tokens(tokens, self.image_token_id, self.num_features(inputs), "the images")
             pixels, patch_mask = self.tower_images(inputs)
-            out, streams, reads = self.vision(pixels, tap, self.streams or (-1,), patch_mask)
+            out, streams, reads = self.vision(pixels, tap, self.streams, patch_mask)
             x = s("projector.input", self.select(out, streams))
             y = s("projector.output", self.projector(x))
             features = s("vision.image_features", self.features(y, inputs))
