@@ -11,7 +11,12 @@ class VisionConfig:
 
     num_patches: the patch grid's size, ``(image_size // patch_size) ** 2``;
     positions: the tower's stream length per image (the grid, plus one for a
-    class token).
+    class token). A tower that cuts each image into its own grid (Qwen ViT)
+    has no ``image_size``, ``num_patches`` or ``positions`` (None) and says
+    instead how many patches fold into one image token per side
+    (``spatial_merge_size``), how many frames a patch spans
+    (``temporal_patch_size``) and, with window attention, a window's side in
+    pixels (``window_size``).
     """
 
     num_layers: int
@@ -19,14 +24,18 @@ class VisionConfig:
     num_heads: int
     head_dim: int
     intermediate_size: int
-    image_size: int
-    patch_size: int
-    num_channels: int
-    num_patches: int
-    positions: int
+    image_size: int | None = None
+    patch_size: int | None = None
+    num_channels: int = 3
+    num_patches: int | None = None
+    positions: int | None = None
+    spatial_merge_size: int | None = None
+    temporal_patch_size: int | None = None
+    window_size: int | None = None
 
     def __str__(self):
-        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                         if getattr(self, f.name) is not None)
 
 
 @dataclasses.dataclass(frozen=True)

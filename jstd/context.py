@@ -37,6 +37,7 @@ from jstd.sites import SiteError
 
 KEYS, VALUES = "layers.self_attn.attention_keys", "layers.self_attn.attention_values"
 STATES, MIXER_INPUTS = "layers.linear_attn.states", "layers.attention_norm_output"
+POSITIONS = "positions"  # multimodal RoPE's position ids
 
 
 class Context(eqx.Module):
@@ -60,6 +61,12 @@ class Context(eqx.Module):
         ``layer_input`` is ``stream`` ``[batch, seq, embed]``; the embedding and
         the blocks before it do not run (their values read as zeros and edits
         there have no effect). ``block == num_layers`` runs no block.
+    rope_positions: multimodal RoPE (Qwen2-VL): the continued run's position
+        ids ``[3, batch, cached]`` (its ``positions``). A token at a cached
+        position takes that position's three ids; a token past the run takes
+        the row's largest id plus one plus its distance past the run (the rope
+        delta), so text after an image keeps counting from where the image left
+        the positions.
     """
 
     positions: Int[Array, "batch seq"]
@@ -70,11 +77,13 @@ class Context(eqx.Module):
     block: Int[ArrayLike, ""] | None = None
     stream: Float[Array, "batch seq embed"] | None = None
     mask: Bool[Array, "batch cached"] | None = None
+    rope_positions: Int[Array, "3 batch cached"] | None = None
 
     @staticmethod
     def sites_for(model) -> tuple[str, ...]:
         """The sites a run reads so that ``Context.continuing`` can build a context from its outputs."""
         reads = (KEYS, VALUES) if model.layers_with("self_attn") else ()
+        reads += (POSITIONS,) if POSITIONS in model.sites else ()
         return reads + ((STATES, MIXER_INPUTS) if model.layers_with("linear_attn") else ())
 
     @classmethod
@@ -109,7 +118,8 @@ class Context(eqx.Module):
                 real = real & jnp.asarray(mask, bool)[batch[:, None], jnp.maximum(before, 0)]
             conv = jnp.where(real[None, :, :, None], conv, 0.0).astype(inputs.dtype)
         return cls(positions, keys, values, states, conv, block, stream,
-                   None if mask is None else jnp.asarray(mask, bool))
+                   None if mask is None else jnp.asarray(mask, bool),
+                   outputs[POSITIONS] if POSITIONS in model.sites else None)
 
     def segments(self) -> tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]]:
         """Each token's segment (numbered along its row) and that segment's start position."""
@@ -133,6 +143,16 @@ class Context(eqx.Module):
             return p
         before = jnp.take_along_axis(jnp.cumsum(self.mask, axis=1) - 1, p, axis=1)
         return jnp.where(self.real(), before, 1)
+
+    def mrope_positions(self) -> Int[Array, "3 batch seq"]:
+        """Each token's three multimodal-RoPE ids from ``rope_positions`` (see the field)."""
+        p = jnp.asarray(self.positions)
+        rope = jnp.asarray(self.rope_positions)
+        cached = rope.shape[2]
+        inside = jnp.take_along_axis(rope, jnp.clip(p, 0, cached - 1)[None], axis=2)
+        real = jnp.ones(rope.shape[1:], bool) if self.mask is None else self.mask[:, :cached]
+        top = jnp.max(jnp.where(real[None], rope, 0), axis=(0, 2)) + 1
+        return jnp.where((p < cached)[None], inside, (top[:, None] + p - cached)[None])
 
     def attention_mask(self, cached: int) -> Bool[Array, "batch 1 seq keys"]:
         """True where a token attends: over ``cached`` cached positions, then the run's own tokens."""

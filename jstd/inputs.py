@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, Int
 
 # processor outputs that carry nothing a jstd model reads
-IGNORED_KEYS = ("token_type_ids", "position_ids")
+IGNORED_KEYS = ("token_type_ids", "position_ids", "mm_token_type_ids")  # Qwen2-VL's: the image tokens' mask
 
 
 class Inputs(eqx.Module):
@@ -25,7 +25,9 @@ class Inputs(eqx.Module):
     layout: what about the images fixes the shapes of the computation, as
         static data (jit compiles once per layout, as once per shape):
         ``(("image_sizes", ((h, w), …)), ("real_images", ((True, False), …)))``.
-        ``Inputs.of`` records it from the processor's arrays: the images'
+        ``Inputs.of`` records it from the processor's arrays: each image's
+        patch grid (``image_grid_thw``, Qwen2-VL: the packed row's segments
+        and positions), the images'
         original sizes (LLaVA-NeXT unpads to them) and, for pixel values
         padded to ``[batch, images, …]`` with all-zero images (Idefics 3),
         which images are real. A model that needs it says so when it is
@@ -70,6 +72,8 @@ def with_layout(inputs: Inputs) -> Inputs:
 def image_layout(images: Mapping[str, np.ndarray]) -> tuple:
     """The static ``Inputs.layout`` of concrete image arrays (see ``Inputs``)."""
     layout = []
+    if "image_grid_thw" in images:
+        layout.append(("image_grid_thw", tuple(tuple(int(v) for v in row) for row in np.asarray(images["image_grid_thw"]))))
     if "image_sizes" in images:
         layout.append(("image_sizes", tuple(tuple(int(v) for v in row) for row in np.asarray(images["image_sizes"]))))
     pixels = images.get("pixel_values")

@@ -121,6 +121,7 @@ SITES: dict[str, Site] = {
         _site("final_norm_output", RESIDUAL, "The residual stream after the final norm, what the head reads."),
         _site("lm_head_output", ("batch", "seq", "vocab"), "The head's logits, before anything the family does past the head (a scale, a softcap)."),
         _site("logits", ("batch", "seq", "vocab"), "The logits the model returns, after anything it does past the head."),
+        _site("positions", ("streams", "batch", "seq"), "The position ids the text model's multimodal rotary reads (time, height, width; equal on text), computed from the tokens and the images' grids; read-only.", editable=False),
         _site("next_token_probs", ("batch", "vocab"), "The next-token distribution at the last position (softmax of logits in float32); derived, read-only.", editable=False),
         *(_block_site("layers", *entry) for entry in BLOCK_SITES),
         # vision towers
@@ -128,6 +129,7 @@ SITES: dict[str, Site] = {
         *(_block_site("vision.layers", *entry) for entry in BLOCK_SITES
           if entry[0].rpartition(".")[0] in VISION_BLOCK_HOSTS and len(entry) < 5),
         _site("vision.tower_output", ("images", "patches", "vision_hidden"), "The vision tower's output: the last block's output, through the tower's final norm where it has one that norms every patch."),
+        _site("vision.merger.output", ("image_tokens", "merged_hidden"), "The tower's own patch merger's output, one row per image token, in the tower's order (HyperCLOVA X Vision V2: window order), before the projector."),
         # vision-language wrappers
         _site("projector.input", ("images", "patches", "projector_in"), "What the projector reads."),
         _site("projector.output", ("images", "tokens", "hidden"), "What the projector returns."),

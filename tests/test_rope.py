@@ -325,10 +325,27 @@ def test_unsupported_rope_type_raises():
         assert name in str(info.value)
 
 
-def test_mrope_raises():
-    config = llama_config(dict(rope_type="default", rope_theta=10000.0, mrope_section=[8, 12, 12]))
-    with pytest.raises(ValueError, match="mrope"):
-        rotary_from_config(config, 64)
+def test_mrope_equals_qwen2_vl():
+    """Multimodal RoPE: three position streams folded by mrope_section, as Qwen2-VL's rotary module does; three
+    equal streams are the ordinary rotary."""
+    from transformers import Qwen2VLTextConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
+
+    config = Qwen2VLTextConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
+                               rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12]))
+    rotary = rotary_from_config(config, 64)
+    pos = np.random.default_rng(0).integers(0, 200, (3, 2, 9))
+    cos, sin = jax.jit(lambda p: rotary.cos_sin(p, jnp.float32))(jnp.asarray(pos, jnp.int32))
+    tc, ts = Qwen2VLRotaryEmbedding(config)(torch.zeros(1), torch.from_numpy(pos))
+    np.testing.assert_allclose(np.asarray(cos), tc.numpy(), **TOL)
+    np.testing.assert_allclose(np.asarray(sin), ts.numpy(), **TOL)
+    flat = rotary_from_config(llama_config(dict(rope_type="default", rope_theta=1e6)), 64)
+    same = np.broadcast_to(pos[:1], pos.shape)
+    for ours, plain in zip(rotary.cos_sin(same, jnp.float32), flat.cos_sin(pos[0], jnp.float32)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(plain))
+    with pytest.raises(ValueError, match="mrope_section"):
+        rotary_from_config(Qwen2VLTextConfig(hidden_size=128, num_attention_heads=2, rope_parameters=dict(
+            rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 10])), 64)
 
 
 def test_no_rope_config_gives_none():

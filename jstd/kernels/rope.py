@@ -265,6 +265,10 @@ class Rotary(eqx.Module):
             ``original_max_seq_len``).
         rope_theta, factor, dim: ``dynamic`` only: the base, the factor and the
             ``int(head_dim * partial_rotary_factor)`` of the NTK rescaling.
+        mrope_section: multimodal RoPE (Qwen2-VL): positions come as three
+            streams ``[3, batch, seq]`` (time, height, width) and the
+            frequencies are cut into consecutive sections of these sizes,
+            section ``i`` turning with stream ``i % 3``. None: 1-D positions.
     """
 
     rope_type: str = eqx.field(static=True)
@@ -277,6 +281,7 @@ class Rotary(eqx.Module):
     rope_theta: float | None = eqx.field(static=True, default=None)
     factor: float | int | None = eqx.field(static=True, default=None)
     dim: int | None = eqx.field(static=True, default=None)
+    mrope_section: tuple[int, ...] | None = eqx.field(static=True, default=None)
 
     def inv_freq_for(self, seq_len: Int[Array, ""]) -> Float[Array, " half"]:
         """The float32 frequencies a fresh torch module uses on a first call with this ``seq_len``.
@@ -322,7 +327,7 @@ class Rotary(eqx.Module):
         return _keep(1.0 / _keep(jnp.power(base, jnp.asarray(_exponents(dim)))))
 
     def cos_sin(
-        self, positions: Int[Array, "batch seq"], dtype
+        self, positions: Int[Array, "batch seq"] | Int[Array, "3 batch seq"], dtype
     ) -> tuple[Float[Array, "batch seq rotary_dim"], Float[Array, "batch seq rotary_dim"]]:
         """cos and sin exactly as transformers' rotary module returns them.
 
@@ -332,11 +337,23 @@ class Rotary(eqx.Module):
         For ``dynamic`` / ``longrope`` the frequencies depend on
         ``max(positions) + 1`` over the whole batch, as on a first torch call.
         Works under ``jax.jit`` with traced positions.
+
+        With ``mrope_section`` the positions are ``[3, batch, seq]`` (``[batch,
+        seq]`` is taken as three equal streams): frequency ``j`` of section ``i``
+        takes stream ``i % 3``'s position, the same elementwise products as
+        transformers' per-stream cos/sin recomposed by section.
         """
         positions = jnp.asarray(positions)
         seq_len = jnp.max(positions).astype(jnp.int32) + 1
         inv = self.inv_freq_for(seq_len)
-        freqs = positions[..., None].astype(jnp.float32) * inv
+        if self.mrope_section is None:
+            angles = positions[..., None].astype(jnp.float32)
+        else:
+            if positions.ndim == 2:
+                positions = jnp.broadcast_to(positions, (3, *positions.shape))
+            stream = np.concatenate([np.full(n, i % 3) for i, n in enumerate(self.mrope_section)])
+            angles = jnp.moveaxis(positions[stream], 0, -1).astype(jnp.float32)  # [batch, seq, half]
+        freqs = angles * inv
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         scale = jnp.float32(self.attention_scaling)
         cos = jnp.cos(emb) * scale
@@ -368,7 +385,9 @@ def rotary_from_config(config, head_dim: int, *, layer_type: str | None = None) 
     (``LlamaRotaryEmbedding``'s default one ignores it).
 
     Raises ValueError naming the rope_type and listing the supported ones for
-    an unsupported ``rope_type``, and for multimodal RoPE (``mrope_section``).
+    an unsupported ``rope_type``. Multimodal RoPE (``mrope_section``) is
+    supported on the default rope (Qwen2-VL's); its sections must cover the
+    frequencies.
     """
     params = getattr(config, "rope_parameters", None)
     if not params:
@@ -389,10 +408,11 @@ def rotary_from_config(config, head_dim: int, *, layer_type: str | None = None) 
         raise ValueError(
             f"Unsupported rope_type {rope_type!r}; supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if params.get("mrope_section") is not None:
+    mrope = params.get("mrope_section")
+    if mrope is not None and (params.get("mrope_interleaved") or rope_type != "default"):
         raise ValueError(
-            f"Multimodal RoPE (rope_type {rope_type!r} with mrope_section) is not supported; "
-            f"supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)} with 1-D positions"
+            f"Multimodal RoPE is supported as Qwen2-VL's sectioned default rope; this config has rope_type "
+            f"{rope_type!r}{' interleaved' if params.get('mrope_interleaved') else ''} with mrope_section"
         )
 
     base = params.get("rope_theta")
@@ -469,6 +489,10 @@ def rotary_from_config(config, head_dim: int, *, layer_type: str | None = None) 
     else:  # proportional
         inv = _proportional_inv_freq(base, head_dim, partial, params.get("factor", 1.0))
 
+    if mrope is not None:
+        if sum(mrope) != len(inv):
+            raise ValueError(f"mrope_section {list(mrope)} must sum to the rotary's {len(inv)} frequencies")
+        extra["mrope_section"] = tuple(int(n) for n in mrope)
     return Rotary(
         rope_type=rope_type,
         inv_freq=_as_tuple(inv),

@@ -3,14 +3,16 @@
 from jstd.models.hyperclovax import HyperCLOVAX
 from jstd.models.llama import Llama
 from jstd.models.olmo_hybrid import OlmoHybrid
+from jstd.models.qwen2 import Qwen2VLText
 from jstd.vision.deepseek_vl import DeepseekVL
 from jstd.vision.idefics3 import Idefics3, SmolVLM
 from jstd.vision.llava import Llava, VipLlava
 from jstd.vision.llava_next import LlavaNext
+from jstd.vision.qwen2_vl import HyperCLOVAXVisionV2, Qwen2VL
 from jstd.vision.towers import CLIPVision, SiglipVision
 
-FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, CLIPVision, SiglipVision, Llava, VipLlava, DeepseekVL, LlavaNext,
-                           Idefics3, SmolVLM)
+FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, CLIPVision, SiglipVision, Llava, VipLlava,
+                           DeepseekVL, LlavaNext, Idefics3, SmolVLM, Qwen2VL, HyperCLOVAXVisionV2)
             for t in f.model_types}
 
 

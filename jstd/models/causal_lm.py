@@ -25,6 +25,7 @@ from jstd.kernels.rounding import rounded
 from jstd.models.base import Family, Model, param, shape
 from jstd.models.layers import LLAMA_NAMES, RMSNorm, times
 from jstd.models.stack import Stack
+from jstd.vision.mrope import mrope_positions
 
 TEXT_MODEL_SITES = frozenset({"token_embeddings", "final_norm_output", "lm_head_output", "logits", "next_token_probs"})
 
@@ -47,6 +48,19 @@ class CausalLM(Model):
     @property
     def stacks(self) -> dict:
         return {"layers": self.layers}
+
+    @property
+    def mrope(self) -> bool:
+        """Whether the rotary is multimodal (Qwen2-VL): positions are three streams, served as ``positions``."""
+        return self.rotary is not None and self.rotary.mrope_section is not None
+
+    @property
+    def rope_sites(self) -> frozenset[str]:
+        return frozenset({"positions"}) if self.mrope else frozenset()
+
+    @property
+    def sites(self) -> frozenset[str]:
+        return super().sites | self.rope_sites
 
     @property
     def conv_width(self) -> int | None:
@@ -85,14 +99,24 @@ class CausalLM(Model):
         """Final norm, head and whatever follows the head: the logit lens (exact at the last block)."""
         return self.logits_from_norm(self.final_norm(hidden))
 
-    def forward(self, inputs, tap, context=None, merge=None):
+    def forward(self, inputs, tap, context=None, merge=None, rope_positions=None):
         """``(logits, reads)``; ``merge`` (a wrapper's): a function of the token embeddings that puts the image
-        features in, before the embedding multiplier (None: text alone)."""
+        features in, before the embedding multiplier (None: text alone). ``rope_positions``: a multimodal rotary's
+        position ids ``[3, batch, seq]`` (a wrapper's, from the images; None: from the tokens, as text)."""
         tokens, attention_mask = inputs.tokens, inputs.attention_mask
         s = tap.scope()
         merged = (lambda x: x) if merge is None else merge
         embed = lambda: self.enter_blocks(merged(s("token_embeddings", self.embed[tokens])))
         positions, mask, h = begin(tokens, attention_mask, context, embed)
+        if self.mrope:
+            if context is not None:
+                rope = (jnp.broadcast_to(positions, (3, *positions.shape)) if context.rope_positions is None
+                        else context.mrope_positions())
+            elif rope_positions is not None:
+                rope = rope_positions
+            else:
+                rope = mrope_positions(tokens, attention_mask, -1, (), 1)
+            positions = s("positions", rope)
         dtype = jnp.float32 if self.rotary_in_float32 else h.dtype
         cos_sin = None if self.rotary is None else self.rotary.cos_sin(positions, dtype)
         padding = None if attention_mask is None else attention_mask.astype(bool)

@@ -1,5 +1,5 @@
-"""The projectors of the CLIP/SigLIP wrappers: an MLP (Llava, VipLlava, LLaVA-NeXT, DeepSeek-VL) and the pixel
-shuffle with a bias-free linear (Idefics 3, SmolVLM). ``projector.input`` is what one is called with,
+"""The projectors of the wrappers: an MLP (Llava, VipLlava, LLaVA-NeXT, DeepSeek-VL; the Qwen ViT's merger ends in
+one), one linear (HyperCLOVA X Vision V2) and the pixel shuffle with a bias-free linear (Idefics 3, SmolVLM). ``projector.input`` is what one is called with,
 ``projector.output`` what it returns; the wrapper taps both."""
 
 from __future__ import annotations
@@ -42,6 +42,23 @@ class MLPProjector(eqx.Module):
         b = lambda: shape(hidden, dtype=dtype) if bias else None
         return cls(None if norm_eps is None else LayerNorm.skeleton(width_in, norm_eps, dtype),
                    shape(width_in, hidden, dtype=dtype), b(), shape(hidden, hidden, dtype=dtype), b(), act)
+
+
+class LinearProjector(eqx.Module):
+    """One biased linear (HyperCLOVA X Vision V2's projector)."""
+
+    weight: Float[Array, "projector_in hidden"] = param("projector_in", "embed")
+    bias: Float[Array, "hidden"] = param("embed")
+
+    def __call__(self, x: Float[Array, "... projector_in"]) -> Float[Array, "... hidden"]:
+        return x @ self.weight + self.bias
+
+    def entries(self, names=None) -> list[Entry]:
+        return [Entry("weight", "weight", linear), Entry("bias", "bias")]
+
+    @classmethod
+    def skeleton(cls, width_in: int, hidden: int, dtype):
+        return cls(shape(width_in, hidden, dtype=dtype), shape(hidden, dtype=dtype))
 
 
 class PixelShuffleProjector(eqx.Module):

@@ -36,6 +36,7 @@ class ViTFamily(Family):
     pre_norm: bool
     post_norm: bool
     unused: tuple[str, ...]  # checkpoint tensors no standard value reads
+    names = VIT_NAMES  # the checkpoint's module names (VisionTower.name_map)
 
     @classmethod
     def ignored(cls, hf) -> tuple[str, ...]:

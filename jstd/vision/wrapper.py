@@ -53,6 +53,10 @@ class VisionLanguageModel(Model):
     model_sites: ClassVar[frozenset[str]] = VisionTower.sites | TEXT_MODEL_SITES | WRAPPER_SITES
 
     @property
+    def sites(self) -> frozenset[str]:
+        return super().sites | self.text.rope_sites
+
+    @property
     def stacks(self) -> dict:
         return {"layers": self.text.layers, "vision.layers": self.vision.layers}
 
@@ -68,6 +72,11 @@ class VisionLanguageModel(Model):
     def features(self, projected: Float[Array, "images tokens hidden"], inputs: Inputs) -> Float[Array, "image_tokens hidden"]:
         """The image features, in image-token order, from the projector's output."""
         return projected.reshape(-1, projected.shape[-1])
+
+    def rope_positions(self, tokens, inputs: Inputs):
+        """A multimodal rotary's position ids ``[3, batch, seq]`` for a prompt with images (None: the text model's
+        own, from the tokens)."""
+        return None
 
     def num_features(self, inputs: Inputs) -> int:
         """How many image features ``inputs`` give (static: from the shapes and ``inputs.layout``)."""
@@ -105,7 +114,7 @@ class VisionLanguageModel(Model):
         s = tap.scope()
         tokens = inputs.tokens
         mask = s("vision.image_token_mask", image_token_mask(tokens, self.image_token_id))
-        merge = None
+        merge = rope = None
         reads = {}
         if inputs.images is None:
             tokens = check_image_tokens(tokens, self.image_token_id, 0, "no images")
@@ -121,7 +130,8 @@ class VisionLanguageModel(Model):
             y = s("projector.output", self.projector(x))
             features = s("vision.image_features", self.features(y, inputs))
             merge = lambda embeddings: scatter(embeddings, mask, features)
-        logits, text_reads = self.text.forward(Inputs(tokens, inputs.attention_mask), tap, context, merge)
+            rope = self.rope_positions(tokens, inputs)
+        logits, text_reads = self.text.forward(Inputs(tokens, inputs.attention_mask), tap, context, merge, rope)
         return logits, {**reads, **s.records, **text_reads}
 
     # the text model's head, for the lens and direct logit attribution
@@ -203,24 +213,27 @@ class WrapperFamily(Family):
         return {}
 
     @classmethod
+    def tower(cls, hf, dtype):
+        """The tower's skeleton (the tower family's for ``hf.vision_config``)."""
+        return cls.tower_for(hf).tower(hf.vision_config, dtype)
+
+    @classmethod
     def skeleton(cls, hf, dtype) -> VisionLanguageModel:
         return cls.model_class(
             config=cls.standard_config(hf), family=cls.family,
-            vision=cls.tower_for(hf).tower(hf.vision_config, dtype), projector=cls.projector(hf, dtype),
+            vision=cls.tower(hf, dtype), projector=cls.projector(hf, dtype),
             text=cls.text_family(hf).skeleton(cls.text_config(hf), dtype), image_token_id=cls.image_token_id(hf),
             **cls.extra(hf),
         )
 
     @classmethod
     def name_map(cls, hf, skeleton=None) -> list[Entry]:
-        from jstd.vision.towers import VIT_NAMES
-
         skeleton = skeleton if skeleton is not None else cls.skeleton(hf, jnp.float32)
         text = []
         for e in cls.text_family(hf).name_map(cls.text_config(hf), skeleton.text):
             keys = tuple(cls.keys["text"] + k[len("model."):] if k.startswith("model.") else k for k in e.keys)
             text.append(dataclasses.replace(e, key=keys[0] if isinstance(e.key, str) else keys, path="text." + e.path))
-        return (skeleton.vision.name_map("vision", cls.keys["tower"], VIT_NAMES) + text
+        return (skeleton.vision.name_map("vision", cls.keys["tower"], cls.tower_for(hf).names) + text
                 + cls.projector_entries(hf, skeleton.projector))
 
     @classmethod

@@ -1,0 +1,51 @@
+"""Qwen2's text model as the Qwen2-VL line uses it (``qwen2_vl_text``, ``qwen2_5_vl_text``): Llama's block whose
+q, k and v projections carry a bias (o_proj none), under multimodal RoPE.
+
+    a   = input_layernorm(x)
+    h   = x + o_proj(attn(rope(q_proj(a)), rope(k_proj(a)), v_proj(a)))
+    out = h + mlp(post_attention_layernorm(h))          # SwiGLU, no biases
+
+Positions are three streams ``[3, batch, seq]`` (time, height, width), folded
+into one cos/sin by ``rope_parameters["mrope_section"]`` (``kernels.rope``);
+the wrapper computes them from the tokens and the images' grids
+(``vision.mrope``) and the model serves them read-only as ``positions``. On a
+prompt with no image the three streams are equal and count each row's real
+tokens, so the rotation is the ordinary one. The head width is
+``hidden_size // num_attention_heads`` (transformers' Qwen2-VL attention
+ignores any ``head_dim``) and the score scale its inverse square root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jstd.config import ModelConfig
+from jstd.models.layers import Attention, Block, GatedMLP
+from jstd.models.llama import Llama
+
+
+class Qwen2VLText(Llama):
+    family = "qwen2_vl_text"
+    model_types = ("qwen2_vl_text", "qwen2_5_vl_text")
+
+    @classmethod
+    def standard_config(cls, hf) -> ModelConfig:
+        kinds = set(getattr(hf, "layer_types", None) or ())
+        if kinds - {"full_attention"}:
+            raise ValueError(f"{hf.model_type}: layer types {sorted(kinds - {'full_attention'})} (use_sliding_window) "
+                             "are not supported; jstd runs Qwen2-VL's full-attention blocks")
+        c = super().standard_config(hf)
+        head_dim = hf.hidden_size // hf.num_attention_heads
+        return dataclasses.replace(c, head_dim=head_dim, qk_head_dim=head_dim)
+
+    @classmethod
+    def block(cls, hf, c: ModelConfig, kind: str, dtype) -> Block:
+        return Block(
+            cls.norm(hf, c, dtype),
+            Attention.skeleton(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5,
+                               True, False, dtype),
+            None,
+            cls.norm(hf, c, dtype),
+            GatedMLP.skeleton(c.hidden_size, c.intermediate_size, hf.hidden_act, False, dtype),
+            None,
+        )

@@ -1,0 +1,217 @@
+"""Qwen2-VL and Qwen2.5-VL (``qwen2_vl``, ``qwen2_5_vl``), and HyperCLOVA X Vision V2 (``hyperclovax_vision_v2``):
+the Qwen ViT, its patch merger, and a text model, merged at the image tokens.
+
+    h        = vision(pixel_values, image_grid_thw)      # one packed row: vision.layers.* [1, patches, …]
+    merged   = merger(h)                                 # Qwen2-VL line: projector.input -> projector.output
+    features = merged back in the images' order          # vision.image_features [image tokens, hidden]
+    logits   = text(scatter(embed[tokens], features), positions)   # M-RoPE positions from the grids
+
+- Qwen2-VL / Qwen2.5-VL: the projector *is* the merger (``projector.input`` is the last block's stream,
+  ``[patches, vision_hidden]``, ``projector.output`` the merged tokens, in window order on Qwen2.5-VL); the text
+  model is Qwen2's under multimodal RoPE (``models.qwen2``), and ``positions`` are computed from the tokens and the
+  grids (``vision.mrope``).
+- HyperCLOVA X Vision V2: the Qwen2.5-VL encoder with its merger inside (``vision.merger.output``, window order),
+  the merged tokens put back in order (``projector.input``), one biased linear (``projector.output``), then the
+  HyperCLOVA X text model with ordinary 1-D positions.
+
+``vision.tower_output`` is the last block's stream, read after the merger has taken it (as in transformers): an
+edit there changes nothing (``model.discarded``). The grids are static (``Inputs.layout``, recorded by
+``jstd.Inputs.of`` from ``image_grid_thw``); one image is ``t·h·w`` patches and ``t·h·w / merge²`` image tokens.
+Videos are not supported.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jaxtyping import Array, Float
+
+from jstd.config import VisionConfig
+from jstd.inputs import Inputs
+from jstd.models.layers import MLP, Block, GatedMLP, LayerNorm, RMSNorm
+from jstd.models.stack import Stack
+from jstd.models.base import shape
+from jstd.vision.mrope import mrope_positions
+from jstd.vision.projector import LinearProjector
+from jstd.vision.qwen_vit import Grids, PackedAttention, PatchMerger, QwenViT, check_grids, vision_inv_freq
+from jstd.vision.wrapper import VisionLanguageModel, WrapperFamily
+
+QWEN_VIT_NAMES = {"attention_norm": "norm1", "attn": "attn", "mlp_norm": "norm2", "mlp": "mlp"}
+
+
+class QwenViTFamily:
+    """The Qwen ViT declared from a vision config: Qwen2-VL's (``qwen2_vl_vision``: LayerNorm, fc1-QuickGELU-fc2,
+    ``embed_dim`` wide) or Qwen2.5-VL's (``qwen2_5_vl_vision``: RMSNorm, biased SwiGLU, windows)."""
+
+    names = QWEN_VIT_NAMES
+
+    @staticmethod
+    def qwen2(hf) -> bool:
+        return hf.model_type == "qwen2_vl_vision"
+
+    @classmethod
+    def vision_config(cls, hf) -> VisionConfig:
+        width = hf.embed_dim if cls.qwen2(hf) else hf.hidden_size
+        mlp = int(hf.embed_dim * hf.mlp_ratio) if cls.qwen2(hf) else hf.intermediate_size
+        return VisionConfig(
+            num_layers=hf.depth, hidden_size=width, num_heads=hf.num_heads, head_dim=width // hf.num_heads,
+            intermediate_size=mlp, patch_size=hf.patch_size, num_channels=hf.in_channels,
+            spatial_merge_size=hf.spatial_merge_size, temporal_patch_size=hf.temporal_patch_size,
+            window_size=None if cls.qwen2(hf) else hf.window_size,
+        )
+
+    @classmethod
+    def out_width(cls, hf) -> int:
+        """The merger's output width."""
+        return hf.hidden_size if cls.qwen2(hf) else hf.out_hidden_size
+
+    @classmethod
+    def kinds(cls, hf) -> tuple[str, ...]:
+        full = set(getattr(hf, "fullatt_block_indexes", None) or ())
+        if cls.qwen2(hf):
+            return ("full_attention",) * hf.depth
+        return tuple("full_attention" if i in full else "window_attention" for i in range(hf.depth))
+
+    @classmethod
+    def merger(cls, hf, dtype) -> PatchMerger:
+        v = cls.vision_config(hf)
+        return PatchMerger.skeleton(v.hidden_size, cls.out_width(hf), v.spatial_merge_size, not cls.qwen2(hf), dtype)
+
+    @classmethod
+    def tower(cls, hf, dtype, merger: bool = False) -> QwenViT:
+        v = cls.vision_config(hf)
+        rms = not cls.qwen2(hf)
+        norm = lambda: RMSNorm.skeleton(v.hidden_size, 1e-6, dtype) if rms else LayerNorm.skeleton(v.hidden_size, 1e-6, dtype)
+        if rms:
+            mlp = lambda: GatedMLP.skeleton(v.hidden_size, v.intermediate_size, hf.hidden_act, True, dtype)
+        else:
+            mlp = lambda: MLP.skeleton(v.hidden_size, v.intermediate_size, hf.hidden_act, dtype)
+        block = lambda kind: Block(norm(), PackedAttention.skeleton(v.hidden_size, v.num_heads,
+                                                                     kind == "window_attention", dtype),
+                                   None, norm(), mlp(), None)
+        unit = v.num_channels * v.temporal_patch_size * v.patch_size ** 2
+        window = None if v.window_size is None else v.window_size // v.spatial_merge_size // v.patch_size
+        return QwenViT(
+            patch_embedding=shape(unit, v.hidden_size, dtype=dtype),
+            layers=Stack.skeleton("vision.layers", cls.kinds(hf), block),
+            merger=cls.merger(hf, dtype) if merger else None,
+            inv_freq=vision_inv_freq(hf, v.head_dim), merge=v.spatial_merge_size, window=window,
+        )
+
+    @classmethod
+    def ignored(cls, hf) -> tuple[str, ...]:
+        return ("*rotary_pos_emb.inv_freq",)
+
+
+class QwenVLModel(VisionLanguageModel):
+    """A Qwen2-VL-line wrapper: the packed tower, the merger as projector, M-RoPE positions from the grids."""
+
+    @property
+    def discarded(self) -> frozenset[str]:
+        return frozenset({"vision.tower_output"})
+
+    def grids(self, inputs: Inputs) -> Grids:
+        grids = inputs.static("image_grid_thw")
+        if grids is None:
+            raise ValueError(f"{self.family} needs each image's patch grid statically (Inputs.layout's "
+                             "image_grid_thw): build the inputs with jstd.Inputs.of(processor(...)) outside jit, or "
+                             "jstd.inputs.with_layout(inputs)")
+        return grids
+
+    def check_images(self, images: dict) -> None:
+        if images.get("pixel_values_videos") is not None or images.get("video_grid_thw") is not None:
+            raise ValueError(f"{self.family}: videos are not supported; pass images (pixel_values, image_grid_thw)")
+        if images.get("image_grid_thw") is None:
+            raise ValueError(f"{self.family} needs image_grid_thw with pixel_values (the image processor returns "
+                             "both)")
+
+    def check_inputs(self, inputs: Inputs) -> None:
+        super().check_inputs(inputs)
+        if inputs.images is not None:
+            grids = self.grids(inputs)
+            thw = inputs.images["image_grid_thw"]
+            if not isinstance(thw, jax.core.Tracer):
+                if np.shape(thw) != (len(grids), 3) or tuple(map(tuple, np.asarray(thw).tolist())) != tuple(grids):
+                    raise ValueError(f"image_grid_thw {np.asarray(thw).tolist()} differs from the inputs' recorded "
+                                     f"layout {list(grids)}: rebuild the inputs with jstd.Inputs.of")
+            v = self.config.vision
+            check_grids(inputs.images["pixel_values"], grids,
+                        v.num_channels * v.temporal_patch_size * v.patch_size ** 2, f"this {self.family} model")
+
+    def tower_images(self, inputs: Inputs):
+        return inputs.images["pixel_values"], self.grids(inputs)
+
+    def select(self, tower_output, streams):
+        return tower_output[0]
+
+    def features(self, projected: Float[Array, "tokens hidden"], inputs: Inputs) -> Float[Array, "tokens hidden"]:
+        return self.vision.restore(projected, self.grids(inputs))
+
+    def num_features(self, inputs: Inputs) -> int:
+        return sum(t * h * w for t, h, w in self.grids(inputs)) // self.vision.merge ** 2
+
+    def rope_positions(self, tokens, inputs: Inputs):
+        if not self.text.mrope:
+            return None
+        return mrope_positions(tokens, inputs.attention_mask, self.image_token_id, self.grids(inputs),
+                               self.vision.merge)
+
+
+class HCXVisionModel(QwenVLModel):
+    """HyperCLOVA X Vision V2: the merger inside the tower (``vision.merger.output``); the tower returns the merged
+    tokens in order, which the linear projector reads."""
+
+    def select(self, tower_output, streams):
+        return tower_output
+
+    def features(self, projected, inputs):
+        return projected
+
+
+class Qwen2VL(WrapperFamily):
+    family = "qwen2_vl"
+    model_types = ("qwen2_vl", "qwen2_5_vl")
+    model_class = QwenVLModel
+    keys = {"tower": "model.visual.", "text": "model.language_model."}
+
+    @classmethod
+    def tower_for(cls, hf):
+        return QwenViTFamily
+
+    @classmethod
+    def projector(cls, hf, dtype):
+        return QwenViTFamily.merger(hf.vision_config, dtype)
+
+    @classmethod
+    def projector_entries(cls, hf, projector):
+        return [e.under(cls.keys["tower"] + "merger.", "projector.") for e in projector.entries()]
+
+    @classmethod
+    def stored_prefixes(cls, hf) -> dict[str, tuple[str, ...]]:
+        """transformers 5 saves ``model.language_model.`` and ``model.visual.``; hub checkpoints keep the text model
+        under ``model.`` and the tower under ``visual.``."""
+        return {"model.language_model.": ("model.language_model.", "model."),
+                "model.visual.": ("model.visual.", "visual.")}
+
+
+class HyperCLOVAXVisionV2(WrapperFamily):
+    family = "hyperclovax_vision_v2"
+    model_types = ("hyperclovax_vision_v2",)
+    model_class = HCXVisionModel
+    keys = {"tower": "model.vision_model.", "text": "model.language_model."}
+
+    @classmethod
+    def tower_for(cls, hf):
+        return QwenViTFamily
+
+    @classmethod
+    def tower(cls, hf, dtype):
+        return QwenViTFamily.tower(hf.vision_config, dtype, merger=True)
+
+    @classmethod
+    def projector(cls, hf, dtype):
+        return LinearProjector.skeleton(QwenViTFamily.out_width(hf.vision_config), hf.text_config.hidden_size, dtype)
+
+    @classmethod
+    def projector_entries(cls, hf, projector):
+        return [e.under("model.projector.", "projector.") for e in projector.entries()]
