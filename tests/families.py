@@ -19,9 +19,11 @@ from transformers import LlavaNextConfig
 
 import llama_cases
 import olmo_hybrid_cases
+import qwen_vl_cases
 from reference.checkpoints import make_checkpoint
 from reference.harness import LLAMA_PLAN, TorchReference
 from reference.vision import TowerReference, make_tower_checkpoint
+from reference.qwen_vl import QwenVLReference
 from reference.wrapper import WrapperReference, make_wrapper_checkpoint
 
 HYPERCLOVAX_PLAN = {
@@ -253,7 +255,12 @@ CASES: dict[str, Spec] = {
                             text_config=WRAPPER_TEXT, image_token_id=IMAGE_TOKEN, scale_factor=3,
                             tie_word_embeddings=True),
                         IDEFICS3_PATHS, idefics3_images),
+    # the Qwen ViT line: every image of a call in one packed row, M-RoPE (Qwen2-VL, Qwen2.5-VL) or HyperCLOVA X text
+    **{name: Spec(config, make=qwen_vl_cases.make_qwen_checkpoint, seed=5, images=qwen_vl_cases.qwen_images,
+                  reference=QwenVLReference)
+       for name, config in qwen_vl_cases.CONFIGS.items()},
 }
-MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "clip", "siglip", "llava", "idefics3")
+MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "clip", "siglip", "llava", "idefics3",
+        "qwen2_5_vl")
 TEXT_MAIN = tuple(c for c in MAIN if not CASES[c].tower and not CASES[c].wrapper)
 WRAPPERS = tuple(c for c in CASES if CASES[c].wrapper)

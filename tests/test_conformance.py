@@ -36,7 +36,7 @@ def layout_sizes(model, site: str, inputs) -> dict[str, int]:
     tokens = inputs.tokens if isinstance(inputs, jstd.Inputs) else inputs
     if tokens is not None:
         batch, seq = np.shape(tokens)
-        sizes.update(batch=batch, seq=seq, query=seq, key=seq)
+        sizes.update(batch=batch, seq=seq, query=seq, key=seq, streams=3)
     if getattr(inputs, "images", None) is not None:
         if (spec.stack or site).startswith("vision"):
             n = model.config.vision.positions
@@ -44,6 +44,8 @@ def layout_sizes(model, site: str, inputs) -> dict[str, int]:
         towered = model.tower_images(inputs)[0] if hasattr(model, "tower_images") else inputs.images["pixel_values"]
         sizes.update(images=towered.shape[0],
                      image_tokens=int((np.asarray(tokens) == getattr(model, "image_token_id", -1)).sum()))
+        if hasattr(model, "grids"):  # a packed row: every image's patches on one axis
+            sizes.update(images=1, patches=towered.shape[0], grid=towered.shape[0])
     if spec.host.endswith("linear_attn"):
         mixer = model.stacks[spec.stack].slot_with("linear_attn").attn
         width, qk_heads, key_dim = mixer.q_conv.shape[-3:]
@@ -97,7 +99,8 @@ def test_layouts(zoo, name):
     for site in reads:
         sizes = layout_sizes(model, site, inputs)
         if site.startswith("projector."):  # a projector's rows and width are its own (the every-value test has torch's)
-            assert len(shapes[site].shape) == 3, f"{name}:{site} has shape {shapes[site].shape}"
+            # (a packed tower's projector runs on the row itself: [patches, width] -> [tokens, hidden])
+            assert len(shapes[site].shape) == (2 if hasattr(model, "grids") else 3), f"{name}:{site} has shape {shapes[site].shape}"
             continue
         want = tuple(sizes[a] for a in SITES[site].layout)
         if SITES[site].per_block:
@@ -157,6 +160,8 @@ def _edit_cases(model, seq: int):
             cases.append((f"zero a value head at {stack}.{b}", [jstd.Zero(f"{stack}.self_attn.attention_values", layer=b,
                                                                            heads=kv - 1)],
                           [TorchEdit(f"{stack}.self_attn.attention_values", zero_head, b)]))
+            if f"{stack}.self_attn.attention_probabilities" not in model.sites:  # a packed tower: no one pattern
+                continue
             n = seq if stack == "layers" else c.positions
             pattern = np.tril(np.ones((n, n), np.float32)) if stack == "layers" else np.ones((n, n), np.float32)
             pattern /= pattern.sum(-1, keepdims=True)

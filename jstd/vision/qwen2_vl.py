@@ -22,6 +22,8 @@ Videos are not supported.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import numpy as np
 from jaxtyping import Array, Float
@@ -161,6 +163,8 @@ class HCXVisionModel(QwenVLModel):
     """HyperCLOVA X Vision V2: the merger inside the tower (``vision.merger.output``); the tower returns the merged
     tokens in order, which the linear projector reads."""
 
+    model_sites: ClassVar[frozenset[str]] = VisionLanguageModel.model_sites | {"vision.merger.output"}
+
     def select(self, tower_output, streams):
         return tower_output
 
@@ -215,3 +219,10 @@ class HyperCLOVAXVisionV2(WrapperFamily):
     @classmethod
     def projector_entries(cls, hf, projector):
         return [e.under("model.projector.", "projector.") for e in projector.entries()]
+
+    @classmethod
+    def stored_prefixes(cls, hf) -> dict[str, tuple[str, ...]]:
+        """transformers saves the hub's layout: the head inside the text model, the projector as
+        ``vision_projector``."""
+        return {"lm_head.": ("lm_head.", "model.language_model.lm_head."),
+                "model.projector.": ("model.projector.", "model.vision_projector.")}
