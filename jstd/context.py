@@ -130,18 +130,25 @@ class Context(eqx.Module):
         return jnp.cumsum(new, axis=1), p - (index - first)
 
     def real(self) -> Bool[Array, "batch seq"] | None:
-        """Whether each of the run's tokens is a real token (None without a ``mask``: all are)."""
+        """Whether each of the run's tokens is a real token (None without a ``mask``: all are; a token past the
+        cached positions is real)."""
         if self.mask is None:
             return None
-        return jnp.take_along_axis(self.mask, jnp.asarray(self.positions), axis=1)
+        p = jnp.asarray(self.positions)
+        cached = self.mask.shape[1]
+        return jnp.where(p < cached, jnp.take_along_axis(self.mask, jnp.clip(p, 0, cached - 1), axis=1), True)
 
     def rotary_positions(self) -> Int[Array, "batch seq"]:
         """Each token's rotary position: its position, or with a ``mask`` the count of real tokens before it
-        (1 on padding, as ``kernels.attention.positions_and_mask``)."""
+        (1 on padding, as ``kernels.attention.positions_and_mask``; past the cached positions, the cached real
+        tokens plus the distance past them)."""
         p = jnp.asarray(self.positions)
         if self.mask is None:
             return p
-        before = jnp.take_along_axis(jnp.cumsum(self.mask, axis=1) - 1, p, axis=1)
+        cached = self.mask.shape[1]
+        count = jnp.cumsum(self.mask, axis=1)
+        before = jnp.take_along_axis(count - 1, jnp.clip(p, 0, cached - 1), axis=1)
+        before = jnp.where(p < cached, before, count[:, -1:] + p - cached)
         return jnp.where(self.real(), before, 1)
 
     def mrope_positions(self) -> Int[Array, "3 batch seq"]:

@@ -8,11 +8,11 @@ from jstd.vision.deepseek_vl import DeepseekVL
 from jstd.vision.idefics3 import Idefics3, SmolVLM
 from jstd.vision.llava import Llava, VipLlava
 from jstd.vision.llava_next import LlavaNext
-from jstd.vision.qwen2_vl import HyperCLOVAXVisionV2, Qwen2VL
+from jstd.vision.qwen2_vl import HyperCLOVAXVisionV2, Qwen2VL, QwenVisionTower
 from jstd.vision.towers import CLIPVision, SiglipVision
 
 FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, CLIPVision, SiglipVision, Llava, VipLlava,
-                           DeepseekVL, LlavaNext, Idefics3, SmolVLM, Qwen2VL, HyperCLOVAXVisionV2)
+                           DeepseekVL, LlavaNext, Idefics3, SmolVLM, QwenVisionTower, Qwen2VL, HyperCLOVAXVisionV2)
             for t in f.model_types}
 
 

@@ -28,11 +28,11 @@ import jax
 import numpy as np
 from jaxtyping import Array, Float
 
-from jstd.config import VisionConfig
+from jstd.config import ModelConfig, VisionConfig
 from jstd.inputs import Inputs
 from jstd.models.layers import MLP, Block, GatedMLP, LayerNorm, RMSNorm
 from jstd.models.stack import Stack
-from jstd.models.base import shape
+from jstd.models.base import Family, Model, shape
 from jstd.vision.mrope import mrope_positions
 from jstd.vision.projector import LinearProjector
 from jstd.vision.qwen_vit import Grids, PackedAttention, PatchMerger, QwenViT, check_grids, vision_inv_freq
@@ -105,6 +105,62 @@ class QwenViTFamily:
         return ("*rotary_pos_emb.inv_freq",)
 
 
+class QwenVisionModel(Model):
+    """A Qwen ViT loaded alone (``qwen2_vl_vision``, ``qwen2_5_vl_vision``): every ``vision.*`` value and the
+    merger's output (``vision.merger.output``, window order on Qwen2.5-VL), ``logits`` None. Runs on
+    ``jstd.Inputs(images={"pixel_values", "image_grid_thw"})`` from the image processor (``Inputs.of``)."""
+
+    vision: QwenViT
+
+    model_sites: ClassVar[frozenset[str]] = QwenViT.sites | {"vision.merger.output"}
+
+    @property
+    def stacks(self) -> dict:
+        return {"vision.layers": self.vision.layers}
+
+    def check_inputs(self, inputs: Inputs) -> None:
+        if inputs.tokens is not None:
+            raise ValueError(f"this {self.family} model is a vision tower alone: it takes images, not tokens "
+                             "(jstd.Inputs.of(image_processor(images, return_tensors='np')))")
+        if inputs.images is None or inputs.images.get("pixel_values") is None:
+            raise ValueError(f"this {self.family} model runs on images: pass jstd.Inputs.of(image_processor(images, "
+                             "return_tensors='np')) (pixel_values and image_grid_thw)")
+        check_packed(self, inputs)
+
+    def forward(self, inputs: Inputs, tap, context=None):
+        _, _, reads = self.vision(inputs.images["pixel_values"], tap, (), grids_of(self, inputs))
+        return None, reads
+
+
+def grids_of(model, inputs: Inputs) -> Grids:
+    """The images' static grids (``Inputs.layout``'s ``image_grid_thw``); ValueError naming the fix without."""
+    grids = inputs.static("image_grid_thw")
+    if grids is None:
+        raise ValueError(f"{model.family} needs each image's patch grid statically (Inputs.layout's image_grid_thw): "
+                         "build the inputs with jstd.Inputs.of(processor(...)) outside jit, or "
+                         "jstd.inputs.with_layout(inputs)")
+    return grids
+
+
+def check_packed(model, inputs: Inputs) -> None:
+    """Raise ValueError where a packed tower's images do not fit it (videos, a missing or stale grid, the pixels'
+    shape)."""
+    images = inputs.images
+    if images.get("pixel_values_videos") is not None or images.get("video_grid_thw") is not None:
+        raise ValueError(f"{model.family}: videos are not supported; pass images (pixel_values, image_grid_thw)")
+    thw = images.get("image_grid_thw")
+    if thw is None:
+        raise ValueError(f"{model.family} needs image_grid_thw with pixel_values (the image processor returns both)")
+    grids = grids_of(model, inputs)
+    if not isinstance(thw, jax.core.Tracer):
+        if np.shape(thw) != (len(grids), 3) or tuple(map(tuple, np.asarray(thw).tolist())) != tuple(grids):
+            raise ValueError(f"image_grid_thw {np.asarray(thw).tolist()} differs from the inputs' recorded layout "
+                             f"{list(grids)}: rebuild the inputs with jstd.Inputs.of")
+    v = model.config.vision
+    check_grids(images["pixel_values"], grids, v.num_channels * v.temporal_patch_size * v.patch_size ** 2,
+                f"this {model.family} model")
+
+
 class QwenVLModel(VisionLanguageModel):
     """A Qwen2-VL-line wrapper: the packed tower, the merger as projector, M-RoPE positions from the grids."""
 
@@ -113,32 +169,15 @@ class QwenVLModel(VisionLanguageModel):
         return frozenset({"vision.tower_output"})
 
     def grids(self, inputs: Inputs) -> Grids:
-        grids = inputs.static("image_grid_thw")
-        if grids is None:
-            raise ValueError(f"{self.family} needs each image's patch grid statically (Inputs.layout's "
-                             "image_grid_thw): build the inputs with jstd.Inputs.of(processor(...)) outside jit, or "
-                             "jstd.inputs.with_layout(inputs)")
-        return grids
+        return grids_of(self, inputs)
 
     def check_images(self, images: dict) -> None:
-        if images.get("pixel_values_videos") is not None or images.get("video_grid_thw") is not None:
-            raise ValueError(f"{self.family}: videos are not supported; pass images (pixel_values, image_grid_thw)")
-        if images.get("image_grid_thw") is None:
-            raise ValueError(f"{self.family} needs image_grid_thw with pixel_values (the image processor returns "
-                             "both)")
+        pass  # checked with the layout (check_inputs)
 
     def check_inputs(self, inputs: Inputs) -> None:
         super().check_inputs(inputs)
         if inputs.images is not None:
-            grids = self.grids(inputs)
-            thw = inputs.images["image_grid_thw"]
-            if not isinstance(thw, jax.core.Tracer):
-                if np.shape(thw) != (len(grids), 3) or tuple(map(tuple, np.asarray(thw).tolist())) != tuple(grids):
-                    raise ValueError(f"image_grid_thw {np.asarray(thw).tolist()} differs from the inputs' recorded "
-                                     f"layout {list(grids)}: rebuild the inputs with jstd.Inputs.of")
-            v = self.config.vision
-            check_grids(inputs.images["pixel_values"], grids,
-                        v.num_channels * v.temporal_patch_size * v.patch_size ** 2, f"this {self.family} model")
+            check_packed(self, inputs)
 
     def tower_images(self, inputs: Inputs):
         return inputs.images["pixel_values"], self.grids(inputs)
@@ -170,6 +209,35 @@ class HCXVisionModel(QwenVLModel):
 
     def features(self, projected, inputs):
         return projected
+
+
+class QwenVisionTower(Family):
+    """A Qwen ViT alone, with its merger (``Qwen2VisionTransformerPretrainedModel`` and Qwen2.5-VL's)."""
+
+    family = "qwen_vit"
+    model_types = ("qwen2_vl_vision", "qwen2_5_vl_vision")
+
+    @classmethod
+    def standard_config(cls, hf) -> ModelConfig:
+        return ModelConfig(model_type=hf.model_type, vision=QwenViTFamily.vision_config(hf))
+
+    @classmethod
+    def skeleton(cls, hf, dtype) -> QwenVisionModel:
+        return QwenVisionModel(config=cls.standard_config(hf), family=cls.family,
+                               vision=QwenViTFamily.tower(hf, dtype, merger=True))
+
+    @classmethod
+    def name_map(cls, hf, skeleton=None):
+        skeleton = skeleton if skeleton is not None else cls.skeleton(hf, "float32")
+        return skeleton.vision.name_map("vision", "", QWEN_VIT_NAMES)
+
+    @classmethod
+    def ignored(cls, hf) -> tuple[str, ...]:
+        return QwenViTFamily.ignored(hf)
+
+    @classmethod
+    def stored_prefixes(cls, hf) -> dict[str, tuple[str, ...]]:
+        return {"": ("visual.", "")}
 
 
 class Qwen2VL(WrapperFamily):
