@@ -29,12 +29,49 @@ def load_processor(path_or_repo_id):
     from jstd.io.hub import resolve
 
     folder = resolve(path_or_repo_id)
-    for auto in (AutoProcessor, AutoTokenizer):
-        try:
-            return auto.from_pretrained(folder)
-        except Exception:
-            pass
+    try:
+        return AutoProcessor.from_pretrained(folder)
+    except Exception:
+        pass
+    processor = _without_videos(folder)
+    if processor is not None:
+        return processor
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception:
+        pass
     return AutoImageProcessor.from_pretrained(folder)
+
+
+def _without_videos(folder):
+    """The checkpoint's image-text processor built without its video processor (Qwen2-VL's needs torchvision, which
+    jstd does not use), or None when the folder names no such processor."""
+    import json
+
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    name = None
+    for config in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        path = folder / config
+        if path.exists():
+            name = name or json.loads(path.read_text()).get("processor_class")
+    cls = getattr(transformers, name or "", None)
+    if cls is None or "video_processor" not in getattr(cls, "get_attributes", lambda: ())():
+        return None
+
+    class WithoutVideos(cls):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    WithoutVideos.__name__ = cls.__name__
+    try:
+        return WithoutVideos(image_processor=AutoImageProcessor.from_pretrained(folder),
+                             tokenizer=AutoTokenizer.from_pretrained(folder), video_processor=None)
+    except Exception:
+        return None
 
 
 __all__ = [
