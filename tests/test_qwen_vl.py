@@ -240,6 +240,8 @@ def test_bad_image_inputs_are_refused(zoo):
     unrecorded = jstd.Inputs(inputs.tokens, inputs.attention_mask, inputs.images)
     with pytest.raises(ValueError, match="statically"):
         jax.jit(jstd.run)(case.model, unrecorded)
+    with pytest.raises(jstd.SiteError, match="no one tensor is the block's pattern"):
+        jstd.run(case.model, inputs, reads=("vision.layers.1.self_attn.attention_probabilities",))
 
 
 def test_the_tower_alone(tmp_path):

@@ -105,6 +105,18 @@ class QwenViTFamily:
         return ("*rotary_pos_emb.inv_freq",)
 
 
+NO_PATTERN = ("the Qwen ViT attends within each image (each window on windowed blocks) separately, so no one tensor is "
+              "the block's pattern; a softmax over each image's slice of vision.layers.self_attn.attention_queries and "
+              "attention_keys (times head_dim ** -0.5) gives that image's pattern")
+
+
+def unavailable(model, site: str) -> str:
+    """Why a Qwen-ViT model does not serve ``site`` (the attention pattern has its own reason)."""
+    if site.startswith("vision.layers.self_attn.attention_") and site.endswith(("scores", "probabilities")):
+        return NO_PATTERN
+    return Model.unavailable(model, site)
+
+
 class QwenVisionModel(Model):
     """A Qwen ViT loaded alone (``qwen2_vl_vision``, ``qwen2_5_vl_vision``): every ``vision.*`` value and the
     merger's output (``vision.merger.output``, window order on Qwen2.5-VL), ``logits`` None. Runs on
@@ -117,6 +129,8 @@ class QwenVisionModel(Model):
     @property
     def stacks(self) -> dict:
         return {"vision.layers": self.vision.layers}
+
+    unavailable = unavailable
 
     def check_inputs(self, inputs: Inputs) -> None:
         if inputs.tokens is not None:
@@ -167,6 +181,8 @@ class QwenVLModel(VisionLanguageModel):
     @property
     def discarded(self) -> frozenset[str]:
         return frozenset({"vision.tower_output"})
+
+    unavailable = unavailable
 
     def grids(self, inputs: Inputs) -> Grids:
         return grids_of(self, inputs)
