@@ -15,14 +15,10 @@ projector 48 → 64 is visible.
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import numpy as np
-import torch
-from transformers import AutoModelForImageTextToText, HyperCLOVAXVisionV2Config, Qwen2_5_VLConfig, Qwen2VLConfig
+from transformers import HyperCLOVAXVisionV2Config, Qwen2_5_VLConfig, Qwen2VLConfig
 
-from reference.checkpoints import randomize
+from reference.wrapper import make_wrapper_checkpoint
 
 IMAGE_TOKEN = 96
 VIDEO_TOKEN = 95
@@ -73,30 +69,8 @@ CONFIGS = {
 GRIDS = ((1, 4, 6), (1, 6, 4), (1, 2, 2), (1, 8, 4))
 
 
-def make_qwen_checkpoint(config, folder: str | Path, seed: int = 0) -> Path:
-    """Save a random float32 wrapper for ``config`` to ``folder`` (safetensors) and return it as a Path.
-
-    ``randomize`` gives every matrix std 1/sqrt(fan-in) and every weight named like "embed" std 1; the patch
-    embedding's Conv3d (``patch_embed.proj.weight``) then gets std 1/sqrt(C·T·p·p), its fan-in; the merger's norm
-    (``ln_q``, which ``randomize`` does not recognise as a norm) a scale of 1 + 0.1·normal; and the LayerNorms' biases
-    (Qwen2-VL's encoder and merger) 0.1·normal, so activations stay O(1).
-    """
-    torch.manual_seed(seed)
-    config.dtype = torch.float32
-    model = AutoModelForImageTextToText.from_config(config)
-    randomize(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("patch_embed.proj.weight"):
-                p.mul_(1.0 / math.sqrt(p[0].numel()))  # randomize gave it std 1 ("embed" in its name)
-            elif name.endswith("ln_q.weight"):  # the merger's norm: not named like "norm", so randomize missed it
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias") and "norm" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    folder = Path(folder)
-    model.save_pretrained(folder)
-    return folder
+# the patch Conv3d to its fan-in, the merger's ln_q a norm's scale (see make_wrapper_checkpoint)
+make_qwen_checkpoint = make_wrapper_checkpoint
 
 
 def qwen_images(model, rng, counts) -> dict:

@@ -282,15 +282,11 @@ class Qwen2VL(WrapperFamily):
                 "model.visual.": ("model.visual.", "visual.")}
 
 
-class HyperCLOVAXVisionV2(WrapperFamily):
+class HyperCLOVAXVisionV2(Qwen2VL):
     family = "hyperclovax_vision_v2"
     model_types = ("hyperclovax_vision_v2",)
     model_class = HCXVisionModel
     keys = {"tower": "model.vision_model.", "text": "model.language_model."}
-
-    @classmethod
-    def tower_for(cls, hf):
-        return QwenViTFamily
 
     @classmethod
     def tower(cls, hf, dtype):

@@ -273,14 +273,7 @@ class QwenVLReference(WrapperReference):
         with torch.no_grad(), self._hooks(tap), self._text_attention(tap), self._vision_attention(tap), \
                 self._positions(tap), self._merge(tap, arrays["input_ids"]):
             logits = self.model(**arrays).logits
-        logits = tap("logits", None, logits)
-        out = self._stacked(got)
+        out = self._outputs(tap, got, logits, reads, arrays["input_ids"])
         if "positions" in out:
             out["positions"] = out["positions"].astype(np.int64)
-        if "vision.image_token_mask" in reads:
-            out["vision.image_token_mask"] = (arrays["input_ids"] == self.image_token_id).numpy()
-        if "logits" in reads:
-            out["logits"] = logits.float().numpy()
-        if "next_token_probs" in reads:
-            out["next_token_probs"] = torch.softmax(logits[:, -1].float(), -1).numpy()
         return out

@@ -41,8 +41,10 @@ VISION_INTERIOR = tuple("vision." + s for s in ATTENTION_INTERIOR)
 
 
 def make_wrapper_checkpoint(config, folder: str | Path, seed: int = 0, adjust=None) -> Path:
-    """Save a random float32 wrapper for ``config`` (``randomize``d; patch convs to std 1/sqrt(fan-in), layer-norm
-    biases to 0.1·normal; then ``adjust(model)`` if given) to ``folder``. Returns ``folder`` as a Path."""
+    """Save a random float32 wrapper for ``config`` (``randomize``d; patch convs — CLIP's ``patch_embedding``, the
+    Qwen ViT's Conv3d ``patch_embed.proj`` — to std 1/sqrt(fan-in), the Qwen merger's norm ``ln_q`` (which
+    ``randomize`` does not take for a norm) to 1 + 0.1·normal, layer-norm biases to 0.1·normal; then
+    ``adjust(model)`` if given) to ``folder``. Returns ``folder`` as a Path."""
     torch.manual_seed(seed)
     config.dtype = torch.float32
     model = AutoModelForImageTextToText.from_config(config)
@@ -50,8 +52,10 @@ def make_wrapper_checkpoint(config, folder: str | Path, seed: int = 0, adjust=No
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("patch_embedding.weight"):
+            if name.endswith(("patch_embedding.weight", "patch_embed.proj.weight")):
                 p.mul_(1.0 / math.sqrt(p[0].numel()))
+            elif name.endswith("ln_q.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith("bias") and "norm" in name:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
         if adjust is not None:
@@ -163,10 +167,14 @@ class WrapperReference(TorchReference):
         with torch.no_grad(), self._hooks(tap), self._attention(tap), self._merge(tap, arrays["input_ids"]), \
                 self._attention(vision_tap, self.tower_modeling):
             logits = self.model(**arrays).logits
+        return self._outputs(tap, got, logits, reads, arrays["input_ids"])
+
+    def _outputs(self, tap, got, logits, reads, ids) -> dict[str, np.ndarray]:
+        """The captured values, the image-token mask, the (tapped) logits and the next-token probabilities."""
         logits = tap("logits", None, logits)
         out = self._stacked(got)
         if "vision.image_token_mask" in reads:
-            out["vision.image_token_mask"] = (arrays["input_ids"] == self.image_token_id).numpy()
+            out["vision.image_token_mask"] = (ids == self.image_token_id).numpy()
         if "logits" in reads:
             out["logits"] = logits.float().numpy()
         if "next_token_probs" in reads:
