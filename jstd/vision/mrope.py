@@ -65,10 +65,3 @@ def mrope_positions(
     positions = jnp.where(real[..., None], start[..., None] + offset, 0)
     return jnp.moveaxis(positions, -1, 0).astype(jnp.int32)
 
-
-def rope_deltas(positions: Int[Array, "3 batch seq"], attention_mask: Int[Array, "batch seq"] | None) -> Int[Array, "batch"]:
-    """Each row's largest position plus one, minus its real-token count: what a token after the prompt adds to its
-    real-token count to get its (three equal) positions (transformers' ``rope_deltas``)."""
-    real = jnp.ones(positions.shape[1:], bool) if attention_mask is None else attention_mask.astype(bool)
-    top = jnp.max(jnp.where(real[None], positions, 0), axis=(0, 2))
-    return top + 1 - real.sum(axis=1)
