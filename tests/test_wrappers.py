@@ -4,6 +4,7 @@ the processor, and the hub's key layout."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -25,15 +26,17 @@ def image_mask(model, inputs) -> np.ndarray:
 
 @pytest.mark.parametrize("name", families.WRAPPERS)
 def test_scatter_identity(zoo, name):
-    """What block 0 reads at the image tokens is vision.image_features, exactly; elsewhere, the token embeddings."""
+    """What block 0 reads at the image tokens is vision.image_features, exactly; elsewhere, the token embeddings (both
+    times the text model's embedding multiplier, which HyperCLOVA X applies after the scatter)."""
     model = zoo(name).model
     out, _ = zoo.every_value(name)
     inputs, _ = zoo(name).spec.inputs(model)
     mask = image_mask(model, inputs)
     assert (np.asarray(out["vision.image_token_mask"]) == mask).all()
     first = np.asarray(out["layers.layer_input"][0])
-    assert np.array_equal(first[mask], np.asarray(out["vision.image_features"]))
-    assert np.array_equal(first[~mask], np.asarray(out["token_embeddings"])[~mask])
+    entering = lambda x: np.asarray(model.text.enter_blocks(jnp.asarray(x)))
+    assert np.array_equal(first[mask], entering(out["vision.image_features"]))
+    assert np.array_equal(first[~mask], entering(out["token_embeddings"])[~mask])
 
 
 @pytest.mark.parametrize("name", IDENTITY_CASES)
