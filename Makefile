@@ -1,4 +1,4 @@
-# Two commands: `make demo` (install, run the embedded model) and `make test` (install, run the tests).
+# Two commands: `make demo` (install with matplotlib for the figures, run the embedded model) and `make test` (install, run the tests).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -18,7 +18,11 @@ $(VENV)/.bench: $(VENV)/.test
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
-demo: $(VENV)/.core
+$(VENV)/.demo: $(VENV)/.core
+	$(PY) -m pip install -q -e '.[plots]'
+	touch $@
+
+demo: $(VENV)/.demo
 	$(VENV)/bin/jstd demo
 
 test: $(VENV)/.test

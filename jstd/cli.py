@@ -259,7 +259,7 @@ def demo(path=INDUCTION, prompt=None, figures="jstd-demo-figures", period: int =
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("\nfigures: skipped (matplotlib is not installed: pip install jstd[plots])")
+            print("\nfigures: skipped (matplotlib is not installed: pip install 'jstd[plots]'; make demo installs it)")
         else:
             folder = Path(figures)
             labels = [fmt([t]) for t in clean[0]]
@@ -271,7 +271,7 @@ def demo(path=INDUCTION, prompt=None, figures="jstd-demo-figures", period: int =
                                title=f"patching layer_output: p(correct word) at position {q}")
             jstd.plot_logit_lens(lens[:, second[:-1]], tok, labels=[labels[p] for p in second[:-1]], targets=clean[0, second[:-1] + 1],
                                  path=folder / "logit_lens.png", title="logit lens on the second copy")
-            print(f"\nfigures: {folder}/attention.png, patching.png, logit_lens.png")
+            print(f"\nfigures in {folder.resolve()}: attention.png, patching.png, logit_lens.png")
     print(f"\ndone in {time.time() - t0:.1f} s")
 
 
@@ -293,7 +293,12 @@ def main(argv=None) -> int:
     else:
         import jstd
 
-        print(describe(jstd.load(args.path)))
+        try:
+            model = jstd.load(args.path)
+        except (OSError, ValueError) as e:  # a missing path, a bad checkpoint (CheckpointError), an unsupported model
+            print(f"jstd inspect: {' '.join(str(e).split())}", file=sys.stderr)
+            return 1
+        print(describe(model))
     return 0
 
 

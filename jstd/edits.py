@@ -4,10 +4,21 @@ An edit names a site (static), holds its arrays as dynamic leaves, and may
 pick a block (``layer``: an int or a traced int array, so a sweep over blocks is
 one ``vmap``), ``positions`` (the site's ``seq`` axis, ``query`` on attention
 patterns) and ``heads`` (its ``heads`` or ``kv_heads`` axis) — each an int, a
-list or int array (traced is fine; negatives count from the end) or a boolean
-mask — and a boolean ``where`` mask that broadcasts against the site's value.
-At the site, the value becomes ``where(mask, op(value), value)`` and everything
-downstream computes from it. Edits compose in list order.
+list or int array (traced is fine) or a boolean mask — and a boolean ``where``
+mask that broadcasts against the site's value. At the site, the value becomes
+``where(mask, op(value), value)`` and everything downstream computes from it.
+Edits compose in list order.
+
+Indices are checked, never skipped or clamped: a ``layer`` lies in ``-L..L-1``
+for a stack of ``L`` blocks and names a block that has the site's host; a
+position or head lies in ``-n..n-1`` for the site's axis of size ``n``.
+Negative indices count from the end, as in ``"layers.-1.X"``. A bad index
+known before the call runs (a concrete layer, in ``jstd.run``; positions and
+heads in the tools, which know the axes' sizes) raises SiteError naming it;
+one that is a value of the compiled call (positions and heads inside
+``jstd.run``, any index under ``jax.jit`` or ``vmap``) raises an equinox
+runtime error with the same explanation when the call runs. Kinds, mask
+shapes and an ``Apply``'s result are checked when the call is traced.
 
 A value array broadcasts against the site's per-block value; for a block site
 edited on every block (``layer=None``) it may instead be stacked over the
@@ -21,6 +32,7 @@ from typing import Any, Callable, Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Int
 
 from jstd.sites import SITES, SiteError, parse
@@ -39,30 +51,139 @@ def site_axes(site: str) -> tuple[int | None, int | None]:
     return pos, head
 
 
-def _axis_mask(index, size: int) -> Bool[Array, "size"]:
-    """A boolean [size] mask from an int, int array (traced allowed, negatives count from the end) or bool [size]."""
+def _span(size: int) -> str:
+    return f"-{size}..{size - 1} (negatives count from the end)"
+
+
+def _shown(bad: np.ndarray) -> str:
+    """The first few bad values of an index, for a message."""
+    values = [int(v) for v in bad.reshape(-1)[:5]]
+    return str(values[0]) if len(values) == 1 else str(values)
+
+
+def _check_kind(index, what: str, size: int | None, masks: bool = True) -> None:
+    """SiteError unless ``index`` has an integer dtype (or, with ``masks``, is a bool mask of shape ``(size,)``;
+    ``size`` None: not known yet, the shape is checked at the site)."""
+    traced = isinstance(index, jax.core.Tracer)
+    dtype, shape = (index.dtype if traced else np.asarray(index).dtype), np.shape(index)
+    span = f" in {_span(size)}" if size is not None else ""
+    if dtype == bool and masks:
+        if size is not None and shape != (size,):
+            raise SiteError(f"{what}: a boolean mask must have the axis' shape ({size},), got shape {shape}; "
+                            f"pass a mask of {size} entries or integer indices{span}")
+        return
+    if not jnp.issubdtype(dtype, jnp.integer) or dtype == bool:
+        kind = "integer indices or a boolean mask" if masks else "an integer"
+        got = "a traced value" if traced else repr(index)
+        raise SiteError(f"{what} must be {kind}, got {got} of dtype {dtype}; pass integers{span}")
+
+
+def check_index(index, size: int, what: str, axis: str) -> Array:
+    """``index`` (an int, an int array — traced allowed — or a bool mask ``[size]``) checked against an axis of ``size``.
+
+    what: the argument as the error names it (``"Zero at layers.layer_output: positions"``);
+    axis: the axis' name (``"seq"``). A concrete index outside ``-size..size-1``
+    raises SiteError now, naming the bad values; a traced one raises an equinox
+    runtime error when the compiled call runs (under ``jit`` and ``vmap``).
+    Returns the index as an array (the error check attached when traced).
+    """
+    _check_kind(index, what, size)
     index = jnp.asarray(index)
     if index.dtype == bool:
-        if index.shape != (size,):
-            raise SiteError(f"a boolean selection must have shape ({size},), got {index.shape}")
         return index
-    if not jnp.issubdtype(index.dtype, jnp.integer):
-        raise SiteError(f"positions and heads are integers or a boolean mask, got dtype {index.dtype}")
-    index = jnp.where(index < 0, index + size, index).reshape(-1)
-    return (jnp.arange(size)[:, None] == index[None, :]).any(-1)
+    fix = f"is out of range for the {axis} axis of size {size}; pass indices in {_span(size)}"
+    if isinstance(index, jax.core.Tracer):
+        return eqx.error_if(index, ((index < -size) | (index >= size)).any(), f"{what} {fix}")
+    concrete = np.asarray(index)
+    bad = concrete[(concrete < -size) | (concrete >= size)]
+    if bad.size:
+        raise SiteError(f"{what}={_shown(bad)} {fix}")
+    return index
 
 
-def selection_mask(site: str, shape: Sequence[int], positions=None, heads=None) -> Bool[Array, "..."] | None:
+def check_layer(model, site: str, layer, who: str) -> Int[Array, ""] | int:
+    """``layer`` (an int or a traced int) checked as a block of ``model`` computing block site ``site``.
+
+    Valid: ``-L..L-1`` for the site's stack of ``L`` blocks (negatives count
+    from the end, as ``"layers.-1.X"``), naming a block that has the site's
+    host (``model.blocks_for(site)``; all blocks but on hybrids). A concrete
+    bad layer raises SiteError now; a traced one an equinox runtime error when
+    the compiled call runs (under ``jit`` and ``vmap``). Returns the layer
+    (the error check attached when traced).
+    """
+    spec = SITES[site]
+    L = model.depth(spec.stack)
+    blocks = tuple(model.blocks_for(site))
+    _check_kind(layer, f"{who}: layer", L, masks=False)
+    if np.ndim(layer) != 0:
+        raise SiteError(f"{who}: layer must be one block index (a scalar), got shape {np.shape(layer)}; "
+                        f"vmap over an array of layers for a sweep")
+    some = blocks != tuple(range(L))
+    host = spec.host[len(spec.stack) + 1:]
+    fix = (f"pass a block with {host}: {_ranges(blocks)} (negatives count from the end: -{L}..-1)" if some
+           else f"pass a block index in {_span(L)}")
+    if isinstance(layer, jax.core.Tracer):
+        bad = (layer < -L) | (layer >= L)
+        if some:
+            bad = bad | ~jnp.isin(jnp.where(layer < 0, layer + L, layer), jnp.asarray(blocks))
+        return eqx.error_if(layer, bad, f"{who}: layer is out of range"
+                                        + (f" or names a block without {host}" if some else "")
+                                        + f" ({spec.stack} has {L} blocks); {fix}")
+    index = int(layer)
+    if not -L <= index < L:
+        raise SiteError(f"{who}: layer={index}: block {index} does not exist ({spec.stack} has {L} blocks); {fix}")
+    if index % L not in blocks:
+        raise SiteError(f"{who}: layer={index} is block {index % L}, which has no {host}; {fix}")
+    return layer
+
+
+def _ranges(blocks) -> str:
+    return f"{blocks[0]}..{blocks[-1]}" if blocks and list(blocks) == list(range(blocks[0], blocks[-1] + 1)) else str(list(blocks))
+
+
+def check_left_padded(attention_mask, reader: str):
+    """``attention_mask`` checked to end each row with a real token (left padding or none), for ``reader``, which
+    reads positions counted from the end (the last: the next-token prediction).
+
+    A right-padded row's last position is padding, so a metric, lens or
+    next-token read there would read a pad. Concrete masks raise ValueError
+    now; traced ones an equinox runtime error when the compiled call runs.
+    Returns the mask (the check attached when traced); None passes.
+    """
+    if attention_mask is None:
+        return None
+    fix = (f"{reader} reads each row's last position, which is padding on a row padded on the right; "
+           "pad on the left (tokenizer.padding_side = 'left'; jstd.load_processor does this for causal LMs)")
+    if isinstance(attention_mask, jax.core.Tracer):
+        return eqx.error_if(attention_mask, ~attention_mask[:, -1].astype(bool).all(), f"a row of attention_mask ends in "
+                                                                                       f"padding: {fix}")
+    mask = np.asarray(attention_mask)
+    rows = np.flatnonzero(~mask[:, -1].astype(bool))
+    if rows.size:
+        raise ValueError(f"attention_mask row {int(rows[0])} ends in padding: {fix}")
+    return attention_mask
+
+
+def selection_mask(site: str, shape: Sequence[int], positions=None, heads=None, who: str | None = None
+                   ) -> Bool[Array, "..."] | None:
     """A mask broadcasting against a value of ``shape`` at ``site``, True at the chosen positions and heads.
 
-    None when neither is chosen.
+    None when neither is chosen. ``positions`` / ``heads``: ints, int arrays
+    (traced allowed) or bool masks, checked against the site's axes
+    (``check_index``: SiteError, or a runtime error when traced); ``who`` names
+    the caller in errors (default: the site).
     """
     pos_axis, head_axis = site_axes(site)
+    layout = SITES[site].layout
     mask = None
-    for index, axis in ((positions, pos_axis), (heads, head_axis)):
+    for index, axis, arg in ((positions, pos_axis, "positions"), (heads, head_axis, "heads")):
         if index is None:
             continue
-        m = _axis_mask(index, shape[axis]).reshape([-1 if i == axis else 1 for i in range(len(shape))])
+        index = check_index(index, shape[axis], f"{who or site}: {arg}", layout[axis])
+        if index.dtype != bool:
+            index = jnp.where(index < 0, index + shape[axis], index).reshape(-1)
+            index = (jnp.arange(shape[axis])[:, None] == index[None, :]).any(-1)
+        m = index.reshape([-1 if i == axis else 1 for i in range(len(shape))])
         mask = m if mask is None else mask & m
     return mask
 
@@ -96,6 +217,10 @@ class Edit(eqx.Module):
                     f"{type(self).__name__}: {base} has no {what} axis (layout [{', '.join(SITES[base].layout)}]); "
                     f"drop {what}s="
                 )
+            if chosen is not None:  # the kind now; the range at the site, where the axis' size is known
+                _check_kind(chosen, f"{type(self).__name__} at {base}: {what}s", None)
+        if layer is not None:  # the range in jstd.run, where the model's depth is known
+            _check_kind(layer, f"{type(self).__name__} at {base}: layer", None, masks=False)
         self.site = base
         self.layer = index if index is not None else layer
         self.where = where
@@ -112,7 +237,7 @@ class Edit(eqx.Module):
     def __call__(self, value: Array) -> Array:
         """The edited value, kept only where ``where``, ``positions`` and ``heads`` select."""
         new = jnp.broadcast_to(jnp.asarray(self.op(value), value.dtype), value.shape)
-        mask = selection_mask(self.site, value.shape, self.positions, self.heads)
+        mask = selection_mask(self.site, value.shape, self.positions, self.heads, f"{type(self).__name__} at {self.site}")
         if self.where is not None:
             where = jnp.asarray(self.where, bool)
             mask = where if mask is None else mask & where
@@ -184,7 +309,27 @@ class Apply(Edit):
         self.fn = fn if isinstance(fn, eqx.Module) else jax.tree_util.Partial(fn)
 
     def op(self, value):
-        return self.fn(value)
+        new = self.fn(value)
+        fn = self.fn.func if isinstance(self.fn, jax.tree_util.Partial) else self.fn
+        who = f"Apply at {self.site}: fn {getattr(fn, '__name__', type(fn).__name__)}"
+        want = f"the site's value, shape {value.shape} [{', '.join(SITES[self.site].layout)}] of dtype {value.dtype}"
+        if not hasattr(new, "shape") or not hasattr(new, "dtype"):
+            raise SiteError(f"{who} returned a {type(new).__name__}; it must return an array like {want}")
+        if new.shape != value.shape:
+            raise SiteError(f"{who} returned shape {tuple(new.shape)}; it must return {want}")
+        if _kind(new.dtype) != _kind(value.dtype):
+            raise SiteError(f"{who} returned dtype {new.dtype} ({_kind(new.dtype)}); it must return {want} "
+                            f"(a {_kind(value.dtype)} dtype)")
+        return new
+
+
+def _kind(dtype) -> str:
+    """A dtype's kind: bool, integer, floating or complex (bfloat16 is floating)."""
+    for kind, name in ((jnp.bool_, "bool"), (jnp.integer, "integer"), (jnp.floating, "floating"),
+                       (jnp.complexfloating, "complex")):
+        if jnp.issubdtype(dtype, kind):
+            return name
+    return str(dtype)
 
 
 def as_edits(edits) -> tuple[Edit, ...]:

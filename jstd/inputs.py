@@ -6,7 +6,6 @@ from typing import Any, Mapping
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
@@ -47,7 +46,8 @@ class Inputs(eqx.Module):
     def of(cls, batch: Mapping[str, Any]) -> "Inputs":
         """The inputs in a HuggingFace tokenizer's or processor's output (``BatchEncoding``, ``BatchFeature``,
         a dict; numpy arrays, lists or torch tensors): ``input_ids`` -> tokens, ``attention_mask``, and every
-        other array (``pixel_values``…) into ``images``. Raises TypeError for anything else."""
+        other array (``pixel_values``…) into ``images``. An unbatched tokenizer output (``tokenizer(text)``:
+        1-D ``input_ids``) is one row. Raises TypeError for anything else (strings: tokenize first)."""
         if isinstance(batch, Inputs):
             return batch
         if not hasattr(batch, "keys"):
@@ -56,6 +56,8 @@ class Inputs(eqx.Module):
         data = {k: _array(k, batch[k]) for k in batch.keys() if k not in IGNORED_KEYS}
         tokens = data.pop("input_ids", None)
         mask = data.pop("attention_mask", None)
+        if tokens is not None and tokens.ndim == 1:  # one text, unbatched (tokenizer(text)): one row
+            tokens, mask = tokens[None], None if mask is None else mask.reshape(1, -1)
         if tokens is None and not any(k.startswith("pixel_values") for k in data):
             raise TypeError(f"Inputs.of found neither input_ids nor images (pixel_values) in keys {sorted(batch.keys())}")
         return cls(tokens, mask, data or None, image_layout(data))
@@ -91,8 +93,8 @@ def _array(key: str, value) -> np.ndarray:
     try:
         return np.asarray(value)
     except ValueError as e:
-        raise ValueError(f"Inputs.of: {key} is ragged ({e}); call the tokenizer with padding=True and "
-                         "return_tensors='np'") from None
+        raise ValueError(f"Inputs.of: {key} is ragged (rows of different lengths); call the tokenizer with "
+                         "padding=True and return_tensors='np'") from None
 
 
 def as_inputs(tokens, attention_mask=None) -> Inputs:
@@ -105,8 +107,9 @@ def as_inputs(tokens, attention_mask=None) -> Inputs:
         raise TypeError("run takes token ids, not text: tokenize first, e.g. "
                         "jstd.Inputs.of(jstd.load_processor(path)(texts, return_tensors='np', padding=True))")
     if hasattr(tokens, "keys"):
-        if isinstance(tokens, jax.core.Tracer):
-            raise TypeError("a processor output cannot be traced: convert it outside jit with jstd.Inputs.of")
+        if isinstance(tokens, jax.core.Tracer) or any(isinstance(tokens[k], jax.core.Tracer) for k in tokens.keys()):
+            raise TypeError("a processor output (a dict of arrays) cannot be traced: convert it outside jit with "
+                            "jstd.Inputs.of(batch) and pass the jstd.Inputs")
         inputs = Inputs.of(tokens)
         if attention_mask is not None:
             raise ValueError("pass attention_mask inside the processor output, not beside it")
@@ -114,11 +117,30 @@ def as_inputs(tokens, attention_mask=None) -> Inputs:
     return Inputs(tokens, attention_mask)
 
 
-def token_array(tokens) -> Int[Array, "batch seq"]:
-    """``tokens`` as an integer ``[batch, seq]`` array; ValueError naming the fix for anything else."""
-    tokens = jnp.asarray(tokens) if not isinstance(tokens, jax.core.Tracer) else tokens
+def token_array(tokens) -> Int[Array, "batch seq"] | Int[np.ndarray, "batch seq"]:
+    """``tokens`` checked to be integer token ids ``[batch, seq]`` with at least one row and one token.
+
+    Ids that are not a JAX array (numpy, lists, torch) come back as a numpy
+    array of their own dtype, not yet cast to JAX's int32 (``check_tokens``
+    checks their range first, so an int64 id past 2**31 cannot wrap to a
+    valid one); JAX arrays (traced or not) come back as they are.
+    Raises TypeError for text and ValueError for ragged rows, non-integers,
+    other ranks and empty batches or sequences, each naming the fix.
+    """
+    if not isinstance(tokens, jax.Array):  # jax arrays (traced or not) are int32 already and stay where they are
+        try:
+            tokens = np.asarray(tokens.detach().cpu() if hasattr(tokens, "detach") else tokens)
+        except ValueError:
+            raise ValueError("tokens are ragged (rows of different lengths): pad them to one length, e.g. call the "
+                             "tokenizer with padding=True and return_tensors='np'") from None
+    if tokens.dtype.kind in "US":
+        raise TypeError(f"tokens must be token ids, got an array of {tokens.dtype} (text?); tokenize first, e.g. "
+                         "jstd.Inputs.of(jstd.load_processor(path)(texts, return_tensors='np', padding=True))")
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, seq] token ids, got shape {tokens.shape}; add a batch axis with tokens[None]")
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+    if 0 in tokens.shape:
+        raise ValueError(f"tokens have shape {tokens.shape}: a run needs at least one row and one token per row "
+                         "(an empty prompt has nothing to compute; check the texts and add_special_tokens)")
     return tokens

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+import weakref
+from typing import NamedTuple, Sequence
 
 import equinox as eqx
 import jax
@@ -11,7 +13,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.context import Context, check_context
-from jstd.edits import as_edits
+from jstd.edits import as_edits, check_layer, check_left_padded
 from jstd.inputs import Inputs, as_inputs, token_array, with_layout
 from jstd.models.base import Model
 from jstd.sites import SITES, SiteError, near, parse
@@ -46,8 +48,14 @@ class Outputs(eqx.Module):
 
 
 def check_sites(model: Model, names: Sequence[str], what: str) -> None:
-    """Raise SiteError for a name the model does not serve, saying why and listing near names."""
+    """Raise SiteError for a name the model does not serve, saying why and listing near names.
+
+    Names found served are remembered for the model (a repeated call costs a
+    set lookup, not a walk over its blocks)."""
+    served = _memo(model).served
     for name in names:
+        if name in served:
+            continue
         base, index = parse(name)
         if base not in model.sites:
             hint = near(base, model.sites)
@@ -57,6 +65,26 @@ def check_sites(model: Model, names: Sequence[str], what: str) -> None:
             )
         if index is not None:
             _check_block(model, base, index, f"{what} {name!r}")
+        served.add(name)
+
+
+class _ModelMemo(NamedTuple):
+    """What ``run`` keeps about one model object: the names ``check_sites`` passed, and the model split for the
+    jit (``_split``), so a repeated call neither walks its blocks nor flattens it."""
+
+    served: set[str]
+    split: tuple
+
+
+_MEMOS: dict[int, tuple[weakref.ref, _ModelMemo]] = {}  # id(model) -> (the model, its memo); dropped with the model
+
+
+def _memo(model: Model) -> _ModelMemo:
+    entry = _MEMOS.get(id(model))
+    if entry is None or entry[0]() is not model:
+        drop = lambda _, key=id(model): _MEMOS.pop(key, None)
+        entry = _MEMOS[id(model)] = (weakref.ref(model, drop), _ModelMemo(set(), _split(model)))
+    return entry[1]
 
 
 def _check_block(model: Model, site: str, index: int, what: str) -> None:
@@ -73,8 +101,9 @@ def _ranges(blocks):
 def check_tokens(tokens, vocab_size: int):
     """Token ids outside [0, vocab_size) raise here, before the embedding gather clamps them.
 
-    Concrete ids raise a ValueError at once; traced ids (under jit) raise an
-    equinox runtime error when the compiled call runs.
+    Concrete ids (checked in their own dtype: an int64 id past 2**31 is out of
+    range, not wrapped) raise a ValueError at once; traced ids (under jit)
+    raise an equinox runtime error when the compiled call runs.
     """
     msg = f"token ids must lie in [0, {vocab_size}) for this model's vocabulary; check the tokenizer matches the checkpoint"
     if not isinstance(tokens, jax.core.Tracer):
@@ -82,7 +111,7 @@ def check_tokens(tokens, vocab_size: int):
         if t.size and (t.min() < 0 or t.max() >= vocab_size):
             bad = t[(t < 0) | (t >= vocab_size)]
             raise ValueError(f"token id {int(bad.flat[0])} is out of range: {msg}")
-        return jnp.asarray(tokens)
+        return tokens  # in range, so jit's cast of int64 ids to int32 keeps every id
     return eqx.error_if(tokens, (tokens < 0) | (tokens >= vocab_size), msg)
 
 
@@ -102,8 +131,12 @@ def run(
     ``images=``: pixel values or a dict of the processor's image arrays), a
     ``jstd.Inputs`` (tokens, attention_mask, images), or, outside jit, a
     tokenizer's or processor's output. ``jax.jit(jstd.run)(model, inputs,
-    edits)`` works as written; ``reads`` is static (``static_argnames="reads"``).
-    Only what is read is materialized. Edits apply in list order at their
+    edits)`` works as written; ``reads`` (site names; None reads nothing) is
+    static (``static_argnames="reads"``). Called eagerly, ``run`` checks its
+    arguments at once and then runs through a jit cached on the call's
+    structure (``reads``, the edits' sites and types, shapes), so a repeated
+    call costs what a jitted one does and a loop over edit values compiles
+    once. Only what is read is materialized. Edits apply in list order at their
     sites and everything downstream computes from the edited value.
     Left-padded rows with an attention mask (zeros are padding) give, at their
     real positions, the values of the unpadded prompt.
@@ -114,8 +147,9 @@ def run(
 
     Raises SiteError for unknown, unavailable or read-only sites and edits that
     do not fit their site, ValueError for token ids outside the vocabulary,
-    inputs the model does not take, or a context that does not fit the model
-    and tokens.
+    empty, ragged or non-integer tokens, inputs the model does not take, or a
+    context that does not fit the model and tokens; TypeError for text and
+    reads that are not site names.
     """
     if not isinstance(model, Model):
         raise TypeError(f"run takes a model from jstd.load, got {type(model).__name__}")
@@ -126,27 +160,82 @@ def run(
         inputs = Inputs(inputs.tokens, inputs.attention_mask, images if isinstance(images, dict) else
                         {"pixel_values": images})
     inputs = with_layout(inputs)
-    if isinstance(reads, str):
-        reads = (reads,)
+    reads = as_reads(reads)
     edits = as_edits(edits)
     check_sites(model, reads, "read")
     check_sites(model, [e.site for e in edits], "edit at")
-    for e in edits:
-        _check_layer(model, e)
-    model.check_inputs(inputs)
+    edits = tuple(_check_layer(model, e) for e in edits)
+    type(model).check_inputs(model, inputs)  # through the class: equinox's bound method costs ~0.1 ms a call
     if inputs.tokens is not None:
         tokens = token_array(inputs.tokens)
         mask = inputs.attention_mask
         if mask is not None:
-            mask = jnp.asarray(mask) if not isinstance(mask, jax.core.Tracer) else mask
+            mask = mask if isinstance(mask, jax.Array) else np.asarray(mask)
             if mask.shape != tokens.shape:
                 raise ValueError(f"attention_mask has shape {mask.shape}; it must match tokens' {tokens.shape}")
-        inputs = Inputs(check_tokens(tokens, model.config.vocab_size), mask, inputs.images, inputs.layout)
+            if any(parse(r)[0] == "next_token_probs" for r in reads):
+                mask = check_left_padded(mask, "reads=('next_token_probs',)")
+        tokens = check_tokens(tokens, model.config.vocab_size)
+        if tokens is not inputs.tokens or mask is not inputs.attention_mask:  # (an Inputs costs ~30 us to build)
+            inputs = Inputs(tokens, mask, inputs.images, inputs.layout)
     if context is not None:
         if inputs.tokens is None:
             raise ValueError(f"a {model.family} model runs on images alone and has no cache to continue: drop context=")
         check_context(model, context, inputs.tokens.shape, inputs.attention_mask, reads)
+    return _compiled(model, inputs, edits, context, reads)
 
+
+def as_reads(reads) -> tuple[str, ...]:
+    """``reads`` as a tuple of site names: one name, a sequence of names, or None (nothing read)."""
+    if reads is None:
+        return ()
+    reads = (reads,) if isinstance(reads, str) else tuple(reads)
+    for r in reads:
+        if not isinstance(r, str):
+            raise TypeError(f"reads are site names (strings), e.g. reads=('layers.layer_output',); got {r!r}")
+    return reads
+
+
+def _compiled(model: Model, inputs: Inputs, edits: tuple, context: Context | None, reads: tuple[str, ...]) -> Outputs:
+    """``_forward`` through one jit cached on the call's structure, so an eager ``run`` costs what a jitted one does.
+
+    Every array-like leaf (arrays, numpy arrays, Python numbers: the weights,
+    the inputs, the edits' values, layers and selections, the context) is a
+    dynamic argument, as under ``jax.jit(jstd.run)``: a loop over edit values or
+    layers compiles once. Everything else — the pytree structure with its
+    static fields (sites, ``Inputs.layout``, an ``Apply``'s plain function) and
+    ``reads`` — keys the cache; a new function object compiles anew (hold it,
+    or give ``Apply`` an equinox module). Under an outer transformation
+    (``jax.jit``, ``vmap``, ``grad``) the inner jit is traced into it.
+    Unhashable static leaves run without the cache.
+    """
+    model_dynamic, model_fixed, model_def = _memo(model).split  # a model object is split once
+    dynamic, fixed, treedef = _split((inputs, edits, context))
+    structure = (model_def, model_fixed, treedef, fixed)
+    try:
+        hash(structure)
+    except TypeError:
+        return _forward(model, inputs, edits, context, reads)
+    return _jit_forward(model_dynamic, dynamic, structure, reads)
+
+
+def _split(tree) -> tuple[list, tuple, jax.tree_util.PyTreeDef]:
+    """``tree``'s array-like leaves (None in the other places), its other leaves (None in the arrays' places), and
+    its structure."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return ([x if eqx.is_array_like(x) else None for x in leaves],
+            tuple(None if eqx.is_array_like(x) else x for x in leaves), treedef)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _jit_forward(model_dynamic: list, dynamic: list, structure: tuple, reads: tuple[str, ...]) -> Outputs:
+    model_def, model_fixed, treedef, fixed = structure
+    join = lambda d, f, t: jax.tree.unflatten(t, [s if a is None else a for a, s in zip(d, f)])
+    return _forward(join(model_dynamic, model_fixed, model_def), *join(dynamic, fixed, treedef), reads)
+
+
+def _forward(model: Model, inputs: Inputs, edits: tuple, context: Context | None, reads: tuple[str, ...]) -> Outputs:
+    """The forward of checked arguments: taps for ``reads`` and ``edits``, the model's forward, the reads by name."""
     bases = frozenset(parse(r)[0] for r in reads) | ({"logits"} if "next_token_probs" in reads else frozenset())
     num_blocks = {s: len(model.blocks_for(s)) for s in model.sites if SITES[s].per_block}
     depths = {prefix: stack.depth for prefix, stack in model.stacks.items()}
@@ -178,13 +267,23 @@ def run(
     return Outputs(logits, values)
 
 
-def _check_layer(model: Model, edit) -> None:
-    layer = edit.layer
-    if layer is None or isinstance(layer, jax.core.Tracer):
-        return
-    if np.ndim(layer) != 0 or not np.issubdtype(np.asarray(layer).dtype, np.integer):
-        raise SiteError(f"{type(edit).__name__} at {edit.site}: layer must be one integer block index, got {layer!r}")
-    _check_block(model, edit.site, int(layer), f"{type(edit).__name__} at {edit.site}")
+def _check_layer(model: Model, edit):
+    """``edit`` with its ``layer`` checked (``jstd.edits.check_layer``); the caller uses the edit returned.
+
+    A concrete bad layer (out of ``-L..L-1``, a block without the site's host,
+    not one integer) raises SiteError now; a traced one (``jax.jit(jstd.run)``,
+    a ``vmap`` over layers) raises an equinox runtime error when the call runs.
+    """
+    if edit.layer is None:
+        return edit
+    key = (edit.site, edit.layer) if type(edit.layer) is int else None  # a layer already checked on this model
+    served = _memo(model).served
+    if key is not None and key in served:
+        return edit
+    layer = check_layer(model, edit.site, edit.layer, f"{type(edit).__name__} at {edit.site}")
+    if key is not None:
+        served.add(key)
+    return edit if layer is edit.layer else eqx.tree_at(lambda e: e.layer, edit, layer)
 
 
 def project_on_vocab(model: Model, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:

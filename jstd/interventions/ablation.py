@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jstd.edits import Set, Zero, site_axes
+from jstd.edits import Set, Zero, check_layer, site_axes
 from jstd.inputs import as_inputs
 from jstd.interventions.reading import block_entry, read
 from jstd.sites import SITES, SiteError, parse
@@ -75,6 +75,8 @@ def site_mean(
     if index is not None:
         layer, site = index, base
     spec = SITES[site]
+    if spec.per_block and layer is not None:
+        layer = check_layer(model, site, layer, f"site_mean at {site}")
     inputs = as_inputs(tokens, attention_mask)
     value = read(model, inputs, (site,), edits)[site]
     stacked = spec.per_block
@@ -139,8 +141,10 @@ def resample_ablation(
     base, index = parse(site)
     if index is not None:
         layer, site = index, base
-    value = read(model, source, (site,), (), attention_mask)[site]
     stacked = SITES[site].per_block
+    if stacked and layer is not None:
+        layer = check_layer(model, site, layer, f"resample_ablation at {site}")
+    value = read(model, source, (site,), (), attention_mask)[site]
     if key is not None:
         axis = 1 if stacked else 0
         value = jnp.take(value, jax.random.permutation(key, value.shape[axis]), axis=axis)

@@ -19,10 +19,12 @@ from typing import Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jstd.edits import Add
-from jstd.edits import site_axes
+from jstd.edits import Add, check_index, check_left_padded, site_axes
+from jstd.inputs import Inputs, as_inputs
+from jstd.interventions.metrics import check_metric, check_token_ids
 from jstd.interventions.reading import read
 from jstd.run import run
 from jstd.sites import SITES, SiteError, parse
@@ -92,13 +94,26 @@ def direct_logit_attribution(
     block adds o_proj's output itself (Llama; HyperCLOVA X without post-norms,
     times its residual multiplier); raises NotImplementedError on blocks whose
     attention passes a post-norm (not linear in the heads).
+
+    Raises ValueError for ids outside the vocabulary, SiteError for a
+    ``position`` outside ``-seq..seq-1``, ValueError for a negative position
+    on rows padded on the right (pad on the left).
     """
     model.readout()  # raises for a model without a final RMSNorm and a linear head
     if heads:
         _head_slot(model)
+    inputs = as_inputs(tokens, attention_mask)
+    batch, seq = np.shape(inputs.tokens)
+    who = "direct_logit_attribution"
+    target, other = (None if ids is None else check_token_ids(ids, model.config.vocab_size, batch, f"{who}: {name}")
+                     for ids, name in ((target, "target"), (other, "other")))
+    check_index(position, seq, f"{who}: position", "seq")
+    if position < 0:
+        inputs = Inputs(inputs.tokens, check_left_padded(inputs.attention_mask, f"{who} (position={position})"),
+                        inputs.images, inputs.layout)
     reads = STREAM + _mixer_sites(model) + ((HEAD_OUTPUTS,) if heads else ())
-    out = read(model, tokens, reads, edits, attention_mask)
-    return _dla(model, out, jnp.asarray(target), None if other is None else jnp.asarray(other), position, heads)
+    out = read(model, inputs, reads, edits)
+    return _dla(model, out, target, other, position, heads)
 
 
 @eqx.filter_jit
@@ -159,6 +174,8 @@ def attribution_patching(
     for s in sites:
         if parse(s)[1] is not None:
             raise SiteError(f"attribution_patching takes every block of a site ('layers.X'); got {s!r}")
+    attention_mask = check_metric(metric, (*np.shape(corrupt), model.config.vocab_size), attention_mask,
+                                  "attribution_patching")
     # both runs' values from one compiled program, so the difference is exactly zero where they agree
     clean_values = read(model, clean, sites, (), attention_mask).values
     corrupt_values = read(model, corrupt, sites, (), attention_mask).values

@@ -11,8 +11,11 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jstd.edits import check_index, check_left_padded
+from jstd.inputs import Inputs, as_inputs
 from jstd.interventions.reading import read
 from jstd.run import project_on_vocab
 from jstd.sites import SITES, SiteError, parse
@@ -29,18 +32,25 @@ def logit_lens(
     None for all) selects the positions projected, in the order given. With the
     default site, the last block's lens equals the logits (exactly the same
     computation). Raises SiteError for a site that is not a per-block residual
-    stream.
+    stream or a position outside ``-seq..seq-1`` (negatives count from the
+    end), ValueError for negative positions on rows padded on the right (their
+    end is padding: pad on the left).
     """
     base, index = parse(site)
     spec = SITES[base]
     if index is not None or not spec.per_block or spec.layout != ("batch", "seq", "hidden"):
         raise SiteError(f"logit_lens reads a residual-stream site on every block ('layers.layer_output', "
                         f"'layers.layer_mid', ...); got {site!r}")
-    out = read(model, tokens, (base,), edits, attention_mask)
-    hidden = out[base]
-    if positions is not None:
-        idx = jnp.atleast_1d(jnp.asarray(positions))
-        hidden = jnp.take(hidden, jnp.where(idx < 0, idx + hidden.shape[2], idx), axis=2)
+    inputs = as_inputs(tokens, attention_mask)
+    idx = None if positions is None else jnp.atleast_1d(jnp.asarray(positions))
+    if idx is not None and idx.dtype != bool and (np.asarray(idx) < 0).any():  # counted from each row's end
+        mask = check_left_padded(inputs.attention_mask, f"logit_lens (positions={positions})")
+        inputs = Inputs(inputs.tokens, mask, inputs.images, inputs.layout)
+    hidden = read(model, inputs, (base,), edits)[base]
+    if idx is not None:
+        idx = check_index(idx, hidden.shape[2], f"logit_lens at {base}: positions", "seq")
+        idx = jnp.flatnonzero(idx) if idx.dtype == bool else jnp.where(idx < 0, idx + hidden.shape[2], idx)
+        hidden = jnp.take(hidden, idx, axis=2)
     return _project(model, hidden)
 
 
@@ -51,34 +61,44 @@ class TokenizationError(ValueError):
     """A word that yields no token of its own."""
 
 
-def get_first_tokens(words: str | Sequence[str], tokenizer) -> list[int]:
+def get_first_tokens(words: str | Sequence[str], tokenizer, *, space: bool | None = None) -> list[int]:
     """The first token of ``"word"`` and of ``" word"`` for each word, deduplicated, in order (as nnterp).
 
-    ``" word"``'s first token is skipped when it is the bare space token. On
+    ``space=True`` gives only the leading-space form ``" word"``: on BPE
+    vocabularies the token a model predicts after another word ("The capital
+    of France is" -> ``" Paris"``), so ``get_first_tokens("Paris", tok,
+    space=True)[0]`` is the id to score. ``space=False`` gives only the plain
+    form (a word at the start of a text or after a newline); ``None`` both,
+    plain first. ``" word"``'s first token is the first one past a bare space
+    token (SentencePiece vocabularies may write the space alone). On
     tokenizers that add a prefix space themselves (``"word"`` and ``" word"``
     collide), ``"word"``'s own first token is found by tokenizing ``"🍐word"``
-    and dropping the pear's tokens. Raises TokenizationError for a word with no
-    token.
+    and dropping the pear's tokens. ``jstd.token_strings(tokenizer, text)``
+    shows which form a prompt holds. Raises TokenizationError for a word with
+    no token, or (``space=True``) no token after the space.
     """
     words = [words] if isinstance(words, str) else list(words)
     ids = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    space = ids(" ")
-    space = space[0] if space else None
+    bare = ids(" ")[:1]
     out: list[int] = []
     for word in words:
         plain, spaced = ids(word), ids(" " + word)
         if not plain:
             raise TokenizationError(f"{word!r} tokenizes to nothing")
-        first = plain[0]
-        if spaced and spaced[0] == first:
-            pear = ids("🍐")
-            joined = ids("🍐" + word)
-            if joined[: len(pear)] != pear or len(joined) <= len(pear):
-                raise TokenizationError(f"cannot find the first token of {word!r} without a prefix space")
-            first = joined[len(pear)]
-        out.append(first)
-        if spaced and spaced[0] != space:
-            out.append(spaced[0])
+        lead = next((t for t in spaced if [t] != bare), None)
+        if space is not True:
+            first = plain[0]
+            if lead == first:
+                pear = ids("🍐")
+                joined = ids("🍐" + word)
+                if joined[: len(pear)] != pear or len(joined) <= len(pear):
+                    raise TokenizationError(f"cannot find the first token of {word!r} without a prefix space")
+                first = joined[len(pear)]
+            out.append(first)
+        if space and lead is None:
+            raise TokenizationError(f"{' ' + word!r} has no token after the space; use space=False for {word!r}")
+        if space is not False and lead is not None:
+            out.append(lead)
     return list(dict.fromkeys(out))
 
 
@@ -99,8 +119,6 @@ def top_k(scores: Float[Array, "... vocab"], k: int = 5, tokenizer=None) -> TopK
     values, ids = jax.lax.top_k(jnp.asarray(scores), k)
     tokens = None
     if tokenizer is not None:
-        import numpy as np
-
         flat = np.asarray(ids).reshape(-1, k)
         decoded = [[tokenizer.decode([int(i)]) for i in row] for row in flat]
         tokens = np.array(decoded, dtype=object).reshape(ids.shape).tolist()
@@ -112,6 +130,9 @@ def next_token_probs(
 ) -> Float[Array, "batch vocab"]:
     """The next-token distribution after the last position of each row (float32 softmax of the logits).
 
-    With left padding (``attention_mask``), the last position is each row's last real token.
+    With left padding (``attention_mask``), the last position is each row's last real token; a row padded on
+    the right raises ValueError (its last position is padding: pad on the left).
     """
-    return read(model, tokens, ("next_token_probs",), edits, attention_mask)["next_token_probs"]
+    inputs = as_inputs(tokens, attention_mask)
+    check_left_padded(inputs.attention_mask, "next_token_probs")
+    return read(model, inputs, ("next_token_probs",), edits)["next_token_probs"]

@@ -4,23 +4,74 @@ A metric is any function ``logits [batch, seq, vocab] -> array`` (usually a
 scalar). These are equinox modules, so their arrays (targets, reference
 logits) are dynamic and a sweep compiles once per metric kind, not per metric.
 Each averages over the batch rows, at one position (default the last).
+
+Token ids are checked against the logits' vocabulary when the metric is
+called (ValueError for concrete ids; an equinox runtime error for traced
+ones), never clamped. ``position`` counts from the end of the padded
+sequence when negative, so the tools refuse right-padded batches for it
+(``check_metric``): pad on the left.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
+from jstd.edits import _shown, check_index, check_left_padded
 
-def _pick(x: Float[Array, "batch vocab"], ids) -> Float[Array, "batch"]:
-    ids = jnp.asarray(ids)
+
+def token_ids(ids, what: str) -> Int[Array, "*batch"]:
+    """``ids`` as an integer array; TypeError for another dtype (a float, a string's tokens not yet looked up)."""
+    ids = ids if isinstance(ids, jax.core.Tracer) else jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{what} must be integer token ids (an int or one per row), got dtype {ids.dtype}; "
+                        "look words up with jstd.get_first_tokens")
+    return ids
+
+
+def check_token_ids(ids, vocab_size: int, batch: int, what: str) -> Int[Array, "*batch"]:
+    """``ids`` (an int or one per row of ``batch``) checked to lie in ``0..vocab_size-1``.
+
+    Concrete ids raise ValueError now; traced ids an equinox runtime error when
+    the compiled call runs. Returns the ids (the check attached when traced).
+    """
+    ids = token_ids(ids, what)
+    if ids.ndim > 1 or (ids.ndim == 1 and ids.shape[0] != batch):
+        raise ValueError(f"{what} must be an int or one id per row ({batch} rows), got shape {tuple(ids.shape)}")
+    fix = f"must lie in 0..{vocab_size - 1} (the logits' vocabulary of {vocab_size} ids); pass ids of this model's tokenizer"
+    if isinstance(ids, jax.core.Tracer):
+        return eqx.error_if(ids, ((ids < 0) | (ids >= vocab_size)).any(), f"{what} is out of range: token ids {fix}")
+    concrete = np.asarray(ids)
+    bad = concrete[(concrete < 0) | (concrete >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"{what}={_shown(bad)} is out of range: token ids {fix}")
+    return ids
+
+
+def _pick(x: Float[Array, "batch vocab"], ids, what: str) -> Float[Array, "batch"]:
+    ids = check_token_ids(ids, x.shape[-1], x.shape[0], what)
     if ids.ndim == 0:
         return x[:, ids]
-    if ids.ndim == 1:
-        return jnp.take_along_axis(x, ids[:, None], axis=-1)[:, 0]
-    raise ValueError(f"target ids are an int or one per row [batch], got shape {ids.shape}")
+    return jnp.take_along_axis(x, ids[:, None], axis=-1)[:, 0]
+
+
+def check_metric(metric: Callable, logits_shape: tuple[int, int, int], attention_mask, tool: str):
+    """A ``PositionMetric``'s checks before ``tool`` runs: its token ids and position against logits of
+    ``logits_shape`` (evaluated abstractly: it raises here, before a sweep compiles), and, when it reads from the
+    end, ``attention_mask`` left-padded (``jstd.edits.check_left_padded``). Returns the mask (checked when
+    traced). Other metrics (any function of the logits) are the caller's own and pass as they are.
+    """
+    if not isinstance(metric, PositionMetric):
+        return attention_mask
+    jax.eval_shape(lambda logits: metric(logits), jax.ShapeDtypeStruct(tuple(logits_shape), jnp.float32))
+    if metric.position < 0:
+        return check_left_padded(attention_mask, f"the metric {type(metric).__name__} (position={metric.position}) of {tool}")
+    return attention_mask
 
 
 class PositionMetric(eqx.Module):
@@ -32,6 +83,7 @@ class PositionMetric(eqx.Module):
     position: int = eqx.field(static=True, kw_only=True, default=-1)
 
     def __call__(self, logits: Float[Array, "batch seq vocab"]) -> Float[Array, ""]:
+        check_index(self.position, logits.shape[1], f"{type(self).__name__}: position", "seq")
         return self.at(logits[:, self.position])
 
     def at(self, logits: Float[Array, "batch vocab"]) -> Float[Array, ""]:
@@ -47,7 +99,7 @@ class LogitDifference(PositionMetric):
 
     def at(self, logits: Float[Array, "batch vocab"]) -> Float[Array, ""]:
         x = logits.astype(jnp.float32)
-        return jnp.mean(_pick(x, self.target) - _pick(x, self.other))
+        return jnp.mean(_pick(x, self.target, "LogitDifference: target") - _pick(x, self.other, "LogitDifference: other"))
 
 
 class TargetProbability(PositionMetric):
@@ -56,7 +108,7 @@ class TargetProbability(PositionMetric):
     target: Int[ArrayLike, "*batch"]
 
     def at(self, logits: Float[Array, "batch vocab"]) -> Float[Array, ""]:
-        return jnp.mean(_pick(jax.nn.softmax(logits.astype(jnp.float32), -1), self.target))
+        return jnp.mean(_pick(jax.nn.softmax(logits.astype(jnp.float32), -1), self.target, "TargetProbability: target"))
 
 
 class KLDivergence(PositionMetric):
@@ -74,6 +126,10 @@ class KLDivergence(PositionMetric):
         self.position = position
 
     def at(self, logits: Float[Array, "batch vocab"]) -> Float[Array, ""]:
+        if self.reference.shape != logits.shape:
+            raise ValueError(f"KLDivergence: the reference logits at the position have shape {self.reference.shape}, "
+                             f"the run's {logits.shape} [batch, vocab]; pass the reference run's logits on the same "
+                             "batch and model")
         log_p = jax.nn.log_softmax(self.reference, -1)
         log_q = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
         return jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1))
@@ -81,12 +137,13 @@ class KLDivergence(PositionMetric):
 
 def logit_difference(target, other, *, position: int = -1) -> LogitDifference:
     """The metric ``logit[target] - logit[other]`` at ``position`` (ids: an int or one per row), mean over rows."""
-    return LogitDifference(jnp.asarray(target), jnp.asarray(other), position=position)
+    return LogitDifference(token_ids(target, "logit_difference: target"), token_ids(other, "logit_difference: other"),
+                           position=position)
 
 
 def target_probability(target, *, position: int = -1) -> TargetProbability:
     """The metric ``p(target)`` at ``position`` (ids: an int or one per row), mean over rows."""
-    return TargetProbability(jnp.asarray(target), position=position)
+    return TargetProbability(token_ids(target, "target_probability: target"), position=position)
 
 
 def kl_divergence(reference_logits, *, position: int = -1) -> KLDivergence:

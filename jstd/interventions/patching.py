@@ -28,8 +28,9 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.interventions.chunking import balanced, fit
-from jstd.edits import Set, site_axes
+from jstd.edits import Set, check_index, check_layer, selection_mask, site_axes
 from jstd.inputs import Inputs, as_inputs
+from jstd.interventions.metrics import check_metric
 from jstd.interventions.reading import block_entry, read
 from jstd.interventions.resume import resumable, resumed_sweep
 from jstd.run import run
@@ -62,9 +63,16 @@ def patch(
     """
     site, layer = _split(site, layer)
     clean, corrupt = _pair(clean, corrupt, attention_mask)
+    who = f"patch at {site}"
+    if metric is not None:
+        corrupt = _checked_metric(metric, corrupt, model, who)
+    if SITES[site].per_block and layer is not None:
+        layer = check_layer(model, site, layer, who)
     value = read(model, clean, (site,), ())[site]
     if SITES[site].per_block and layer is not None:
         value = block_entry(model, site, value, layer)
+    selection_mask(site, value.shape[1:] if SITES[site].per_block and layer is None else value.shape, positions, heads,
+                   who)  # positions and heads in range, before the run
     edit = Set(site, value, layer=layer, positions=positions, heads=heads)
     out = read(model, corrupt, (), (edit,))
     return out if metric is None else metric(out.logits)
@@ -78,6 +86,14 @@ def _pair(clean, corrupt, attention_mask) -> tuple[Inputs, Inputs]:
         raise ValueError(f"clean {np.shape(clean.tokens)} and corrupt {np.shape(corrupt.tokens)} inputs must have "
                          "the same shape (patching is position by position)")
     return clean, corrupt
+
+
+def _checked_metric(metric, corrupt: Inputs, model, who: str) -> Inputs:
+    """``corrupt`` once ``metric`` passes its checks on logits of the run's shape (``metrics.check_metric``: token
+    ids, positions; left padding for a metric read from the end), its mask checked when traced."""
+    tokens = corrupt.tokens
+    mask = check_metric(metric, (*np.shape(tokens), model.config.vocab_size), corrupt.attention_mask, who)
+    return Inputs(tokens, mask, corrupt.images, corrupt.layout)
 
 
 class SweepGrid(eqx.Module):
@@ -133,22 +149,29 @@ def patch_sweep(
     """
     site, _ = _split(site, None)
     clean, corrupt = _pair(clean, corrupt, attention_mask)
+    who = f"patch_sweep at {site}"
+    corrupt = _checked_metric(metric, corrupt, model, who)
     spec = SITES[site]
     clean_values = read(model, clean, (site,), ())[site]
     pos_axis, head_axis = site_axes(site)
     per_block = spec.per_block
     off = 1 if per_block else 0
 
+    # every entry checked and counted from the start (negatives count from the end), so the grid is in range
     axes = []
     if per_block:
-        axes.append(list(model.blocks_for(parse(site)[0]) if layers is None else layers))
+        L = model.depth(spec.stack)
+        axes.append(list(model.blocks_for(site)) if layers is None else
+                    [int(check_layer(model, site, layer, who)) % L for layer in layers])
+    size = lambda axis: clean_values.shape[off + axis]
+    entries = lambda given, axis, arg: _entries(given, size(axis), f"{who}: {arg}", spec.layout[axis])
     if pos_axis is not None:
-        axes.append(list(range(clean_values.shape[off + pos_axis]) if positions is None else positions))
+        axes.append(list(range(size(pos_axis))) if positions is None else entries(positions, pos_axis, "positions"))
     elif positions is not None:
         raise SiteError(f"{site} has no position axis; drop positions=")
     split_heads = head_axis is not None and heads is not False
     if split_heads:
-        axes.append(list(range(clean_values.shape[off + head_axis]) if heads in (None, True) else heads))
+        axes.append(list(range(size(head_axis))) if heads in (None, True) else entries(heads, head_axis, "heads"))
     elif heads not in (None, False):
         raise SiteError(f"{site} has no head axis; drop heads=")
     shape = tuple(len(a) for a in axes)
@@ -182,6 +205,15 @@ def patch_sweep(
             chunk(model, corrupt, clean_values, metric, entries_of(padded, i * size, size), site, what)))
     out = jnp.concatenate(results)[:n]
     return out.reshape(shape + out.shape[1:])
+
+
+def _entries(given, size: int, what: str, axis: str) -> list[int]:
+    """A sweep axis' entries (ints, or a boolean mask: its True entries) checked (``check_index``) and counted
+    from the start."""
+    given = np.atleast_1d(np.asarray(given))
+    given = check_index(given if given.size else given.astype(int), size, what, axis)
+    given = np.flatnonzero(given) if given.dtype == bool else np.asarray(given) % size
+    return [int(i) for i in given]
 
 
 @eqx.filter_jit

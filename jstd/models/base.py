@@ -140,6 +140,9 @@ class Family:
 
     family: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
+    # the config attributes the family reads or knowingly ignores; the loader reports any other whose value is not
+    # transformers' default (``jstd.io.load.unhandled``)
+    handled: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def standard_config(cls, hf) -> ModelConfig:

@@ -138,6 +138,11 @@ class TextFamily(Family):
     """The declaration of a causal-LM family: override ``block`` (and, where they differ, ``names``,
     ``layer_types``, ``rotary``, ``extra``, ``norm``, ``ignored``)."""
 
+    handled = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "tie_word_embeddings",
+                         "rope_parameters", "rope_theta", "partial_rotary_factor", "max_position_embeddings",
+                         "original_max_position_embeddings"})
+
     @classmethod
     def standard_config(cls, hf) -> ModelConfig:
         """The standard sizes from a transformers config with the usual attribute names."""

@@ -18,7 +18,10 @@ and its SiLU, before the kernel's l2 norm), ``attention_values``
 ``[batch, seq, heads, value_dim]``, ``decays``, ``betas`` ``[batch, seq,
 heads]``, ``state_input`` (zeros: the state a prompt starts from; an edit there
 is the kernel's initial state), ``states`` (read-only: the state after every
-token, formed only when read), ``state_output``, ``attention_head_outputs``
+token, formed only when read), ``state_output`` (read-only: the state after
+the last token, what a cache keeps; nothing in the call reads it, so an edit
+there could change nothing — edit ``state_input`` or the values that write
+it), ``attention_head_outputs``
 (the kernel's output, before the gated norm and ``o_proj``). States are
 float32 ``[batch, heads, key_dim, value_dim]``. When ``states`` is read,
 ``state_output`` is its last entry, so ``states[:, -1] == state_output``
@@ -139,7 +142,7 @@ class GatedDeltaNet(eqx.Module):
             final = states[:, -1]
         else:
             y, final = result
-        s(SITE + "state_output", final)  # what a cache would keep; nothing downstream reads it
+        s(SITE + "state_output", final)  # read-only (jstd/sites.py): what a cache keeps; nothing downstream reads it
         y = s(SITE + "attention_head_outputs", y)
 
         gate = proj(x, self.gate)

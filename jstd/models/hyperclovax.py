@@ -41,6 +41,8 @@ from jstd.models.llama import Llama
 class HyperCLOVAX(Llama):
     family = "hyperclovax"
     model_types = ("hyperclovax",)
+    handled = Llama.handled | {"attention_multiplier", "embedding_multiplier", "logits_scaling", "residual_multiplier",
+                               "use_post_norm"}
 
     @classmethod
     def attention_scale(cls, hf, c) -> float:

@@ -21,6 +21,8 @@ from jstd.models.layers import Attention, Block, GatedMLP
 class Llama(TextFamily):
     family = "llama"
     model_types = ("llama",)
+    # pretraining_tp only split torch's matmuls (transformers 5 ignores it too)
+    handled = TextFamily.handled | {"attention_bias", "mlp_bias", "pretraining_tp"}
 
     @classmethod
     def attention_scale(cls, hf, c: ModelConfig) -> float:

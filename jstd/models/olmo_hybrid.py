@@ -51,6 +51,11 @@ O_NORM_EPS = 1e-5
 class OlmoHybrid(TextFamily):
     family = "olmo_hybrid"
     model_types = ("olmo_hybrid",)
+    # linear_a_log_* and linear_dt_* only initialize the DeltaNet's decay parameters
+    handled = TextFamily.handled | {
+        "attention_bias", "layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+        "linear_value_head_dim", "linear_conv_kernel_dim", "linear_allow_neg_eigval", "linear_a_log_min",
+        "linear_a_log_max", "linear_dt_min", "linear_dt_max", "linear_dt_init_floor"}
 
     @classmethod
     def layer_types(cls, hf) -> tuple[str, ...]:

@@ -27,6 +27,8 @@ from jstd.models.llama import Llama
 class Qwen2VLText(Llama):
     family = "qwen2_vl_text"
     model_types = ("qwen2_vl_text", "qwen2_5_vl_text")
+    # sliding windows act through layer_types, which standard_config checks
+    handled = Llama.handled | {"layer_types", "use_sliding_window", "sliding_window", "max_window_layers"}
 
     @classmethod
     def standard_config(cls, hf) -> ModelConfig:

@@ -118,6 +118,7 @@ class Idefics3Model(VisionLanguageModel):
 class Idefics3(WrapperFamily):
     family = "idefics3"
     model_types = ("idefics3",)
+    handled = WrapperFamily.handled | {"scale_factor"}
     model_class = Idefics3Model
     keys = IDEFICS3_KEYS
 

@@ -57,6 +57,9 @@ def feature_layers(hf) -> tuple[int, ...]:
 class Llava(WrapperFamily):
     family = "llava"
     model_types = ("llava",)
+    # image_seq_length is the processor's image token count; jstd counts the prompt's image tokens
+    handled = WrapperFamily.handled | {"projector_hidden_act", "vision_feature_layer", "vision_feature_select_strategy",
+                                       "multimodal_projector_bias", "image_seq_length"}
     model_class = LlavaModel
     keys = LLAVA_KEYS
 
@@ -94,6 +97,7 @@ class Llava(WrapperFamily):
 class VipLlava(Llava):
     family = "vipllava"
     model_types = ("vipllava",)
+    handled = Llava.handled | {"projector_layernorm_eps"}
 
     @classmethod
     def norm_eps(cls, hf) -> float:

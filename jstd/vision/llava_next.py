@@ -178,6 +178,7 @@ class LlavaNextModel(LlavaModel):
 class LlavaNext(Llava):
     family = "llava_next"
     model_types = ("llava_next",)
+    handled = Llava.handled | {"image_grid_pinpoints"}
     model_class = LlavaNextModel
 
     @classmethod

@@ -46,6 +46,10 @@ class QwenViTFamily:
     ``embed_dim`` wide) or Qwen2.5-VL's (``qwen2_5_vl_vision``: RMSNorm, biased SwiGLU, windows)."""
 
     names = QWEN_VIT_NAMES
+    # tokens_per_second times video frames (jstd runs images)
+    handled = frozenset({"depth", "embed_dim", "hidden_size", "hidden_act", "mlp_ratio", "num_heads", "in_channels",
+                         "patch_size", "spatial_merge_size", "temporal_patch_size", "intermediate_size", "window_size",
+                         "out_hidden_size", "fullatt_block_indexes", "rope_parameters", "tokens_per_second"})
 
     @staticmethod
     def qwen2(hf) -> bool:
@@ -232,6 +236,7 @@ class QwenVisionTower(Family):
 
     family = "qwen_vit"
     model_types = ("qwen2_vl_vision", "qwen2_5_vl_vision")
+    handled = QwenViTFamily.handled
 
     @classmethod
     def standard_config(cls, hf) -> ModelConfig:
@@ -259,6 +264,8 @@ class QwenVisionTower(Family):
 class Qwen2VL(WrapperFamily):
     family = "qwen2_vl"
     model_types = ("qwen2_vl", "qwen2_5_vl")
+    # no videos; image tokens are found by image_token_id
+    handled = WrapperFamily.handled | {"video_token_id", "vision_start_token_id", "vision_end_token_id"}
     model_class = QwenVLModel
     keys = {"tower": "model.visual.", "text": "model.language_model."}
 

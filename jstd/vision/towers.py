@@ -37,6 +37,8 @@ class ViTFamily(Family):
     post_norm: bool
     unused: tuple[str, ...]  # checkpoint tensors no standard value reads
     names = VIT_NAMES  # the checkpoint's module names (VisionTower.name_map)
+    handled = frozenset({"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "num_channels", "image_size", "patch_size", "hidden_act", "layer_norm_eps"})
 
     @classmethod
     def ignored(cls, hf) -> tuple[str, ...]:
@@ -96,6 +98,7 @@ class CLIPVision(ViTFamily):
     model_types = ("clip_vision_model",)
     class_token, patch_bias, pre_norm, post_norm = True, False, True, False
     unused = ("post_layernorm.*",)  # it norms the pooled class token only: no standard value reads it
+    handled = ViTFamily.handled | {"projection_dim"}  # CLIPVisionModelWithProjection's head, not the tower
 
 
 class SiglipVision(ViTFamily):
@@ -103,6 +106,7 @@ class SiglipVision(ViTFamily):
     model_types = ("siglip_vision_model",)
     class_token, patch_bias, pre_norm, post_norm = False, True, False, True
     unused = ("head.*",)  # the attention-pooling head produces the pooled output, no standard value
+    handled = ViTFamily.handled | {"vision_use_head"}
 
 
 TOWERS = {t: f for f in (CLIPVision, SiglipVision) for t in f.model_types}

@@ -22,6 +22,7 @@ import dataclasses
 from typing import ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
@@ -109,6 +110,10 @@ class VisionLanguageModel(Model):
                 raise ValueError(f"the images hold no pixel_values (keys: {sorted(inputs.images)}); pass the "
                                  "processor's output")
             self.check_images(inputs.images)
+        if not isinstance(inputs.tokens, jax.core.Tracer):  # concrete ids: the count is checked now, not at run time
+            features = 0 if inputs.images is None else self.num_features(inputs)
+            check_image_tokens(inputs.tokens, self.image_token_id, features, "no images" if inputs.images is None
+                               else "the images")
 
     def forward(self, inputs: Inputs, tap, context=None):
         s = tap.scope()
@@ -154,6 +159,8 @@ class WrapperFamily(Family):
 
     model_class: ClassVar[type]
     keys: ClassVar[dict]
+    # text_config and vision_config are checked against the text and tower families (jstd.io.load.unhandled)
+    handled = frozenset({"text_config", "vision_config", "image_token_id", "image_token_index", "tie_word_embeddings"})
 
     @classmethod
     def text_family(cls, hf):
