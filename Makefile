@@ -32,4 +32,4 @@ docs: $(VENV)/.core
 	$(PY) -c 'from jstd.sites import values_markdown; print(values_markdown(), end="")' > docs/values.md
 
 bench: $(VENV)/.bench
-	for b in forward patching gated_delta olmo_hybrid vision; do $(PY) benchmarks/$$b.py; done
+	for b in forward patching gated_delta olmo_hybrid qwen3_5 vision; do $(PY) benchmarks/$$b.py; done

@@ -57,8 +57,9 @@ def compare(torch_forward, jstd_forward, reads, repeats: int) -> dict:
     return dict(torch=t_torch, jstd=both["jstd"][0], reads=both["reads"][0], err=err)
 
 
-def forward_timings(folder, tokens, reads, repeats: int) -> dict:
-    """``compare`` for the causal LM in ``folder`` (torch with sdpa, float32) on ``tokens``."""
+def forward_callables(folder, tokens):
+    """``(torch_forward, jstd_forward)`` for the causal LM in ``folder`` on ``tokens`` (as ``compare`` takes them):
+    transformers' model with sdpa attention in float32, and the blocked ``jax.jit(jstd.run)``."""
     import jax
     import torch
     from transformers import AutoModelForCausalLM
@@ -74,7 +75,12 @@ def forward_timings(folder, tokens, reads, repeats: int) -> dict:
 
     model = jstd.load(folder)
     run = jax.jit(jstd.run, static_argnames="reads")
-    return compare(torch_forward, lambda reads: jax.block_until_ready(run(model, tokens, reads=reads)), reads, repeats)
+    return torch_forward, lambda reads: jax.block_until_ready(run(model, tokens, reads=reads))
+
+
+def forward_timings(folder, tokens, reads, repeats: int) -> dict:
+    """``compare`` for the causal LM in ``folder`` (torch with sdpa, float32) on ``tokens``."""
+    return compare(*forward_callables(folder, tokens), reads, repeats)
 
 
 def forward_rows(t_torch: float, t_jstd: float, t_reads: float, per_call: int, unit: str, detail: str, read_what: str,

@@ -1,9 +1,13 @@
 """Benchmark the gated delta rule kernels on the CPU (float32, B=1, H=8, dk=dv=128).
 
-    .venv/bin/python benchmarks/gated_delta.py [--reps 7] [--lengths 2048 8192]
+    .venv/bin/python benchmarks/gated_delta.py [--reps 7] [--lengths 2048 8192] [--peak-only]
 
 Times (median, and best, of ``--reps`` interleaved runs after a compile / warm-up run):
 
+* the plain float32 matmul peak (``jax.jit(lambda a, b: a @ b)``, 2048 x 2048) and the
+  chunked form at each T, interleaved (3 x ``--reps`` runs), with the chunked form's
+  GFLOP/s on its own multiply-adds and its ratio to that peak (all this machine allows
+  on a busy machine: other processes slow both alike); ``--peak-only`` stops there;
 * jstd's chunked form vs jstd's recurrent scan at T=2048 (the two interleaved);
 * jstd's chunked form vs transformers' ``torch_chunk_gated_delta_rule`` (torch with its
   default threads) at T=2048 and T=8192, in the same process, runs interleaved;
@@ -153,6 +157,64 @@ def matmul_throughput(chunk_sizes=(16, 64), reps: int = 5) -> dict:
     return out
 
 
+def cpu_description() -> str:
+    """The CPU model and its widest vector extension, from /proc/cpuinfo ("" where unreadable)."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return ""
+    field = lambda key: next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith(key)), "?")
+    flags = field("flags").split()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2 + FMA (no AVX-512)" if "fma" in flags else "no FMA"
+    return f"{field('model name')} (family {field('cpu family')}, model {field('model')}), {isa}"
+
+
+def _interleaved_wall_and_cpu(runs: dict, reps: int) -> dict:
+    """Like ``common.time_interleaved`` (two warm-up calls each, then ``reps`` rounds of one
+    call each), also recording process CPU time: ``{name: (best wall, median wall, best CPU)}``
+    in seconds. CPU time per call is steadier than wall time on a busy machine."""
+    for f in runs.values():
+        f()
+        f()
+    walls, cpus = {name: [] for name in runs}, {name: [] for name in runs}
+    for _ in range(reps):
+        for name, f in runs.items():
+            w, c = time.perf_counter(), time.process_time()
+            f()
+            walls[name].append(time.perf_counter() - w)
+            cpus[name].append(time.process_time() - c)
+    return {name: (min(walls[name]), float(np.median(walls[name])), min(cpus[name])) for name in runs}
+
+
+def plain_dot_vs_kernel(lengths, reps: int, C: int) -> None:
+    """Prints the plain float32 matmul peak (``jax.jit(lambda a, b: a @ b)`` on 2048 x 2048,
+    default precision, which is full float32 on the CPU) and the chunked form's throughput on
+    its own multiply-adds (:func:`chunk_macs` at chunk size ``C``), at each T, the two timed
+    in the same process, runs interleaved, so that a busy machine slows both alike: best and
+    median wall time of ``reps`` runs each, and the best process CPU time (GFLOP per
+    CPU-second), with the ratio of the kernel's figure to the dot's for each."""
+    rng = np.random.default_rng(0)
+    a, b = (jnp.asarray(rng.standard_normal((2048, 2048)), jnp.float32) for _ in range(2))
+    dot = jax.jit(lambda a, b: a @ b)
+    dot_flops = 2 * 2048**3
+    chunk = jax_fn("chunk", chunk_size=C)
+    print(f"\nPlain-dot peak and the chunked form (chunk {C}), interleaved runs, {reps} each "
+          f"(load average before: {os.getloadavg()[0]:.1f}); GFLOP/s as best / median wall, and per CPU-second:\n")
+    print("| T | plain dot 2048^3, GFLOP/s | chunked form (ms, best / median) | chunked form, GFLOP/s on its "
+          "multiply-adds | chunked / peak (best / median / CPU) |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for T in lengths:
+        jx = [jnp.asarray(x) for x in inputs(T)]
+        t = _interleaved_wall_and_cpu({"dot": lambda: jax.block_until_ready(dot(a, b)), "chunk": lambda: chunk(*jx)}, reps)
+        flops = 2 * sum(chunk_macs(T, C=C).values())
+        peak = [dot_flops / x / 1e9 for x in t["dot"]]
+        ours = [flops / x / 1e9 for x in t["chunk"]]
+        fmt = lambda xs: " / ".join(f"{x:.0f}" for x in xs)
+        print(f"| {T} | {fmt(peak)} | {t['chunk'][0] * 1e3:.1f} / {t['chunk'][1] * 1e3:.1f} | {fmt(ours)} "
+              f"| {' / '.join(f'{o / p:.0%}' for o, p in zip(ours, peak))} |")
+    print(f"\n(load average after: {os.getloadavg()[0]:.1f}; {flops / 2 / 1e9:.3f} G multiply-adds at T={T})")
+
+
 def torch_fn():
     import torch
     from transformers.models.olmo_hybrid.modeling_olmo_hybrid import torch_chunk_gated_delta_rule
@@ -220,13 +282,20 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--torch-one-thread", action="store_true", help="also time torch on one thread")
+    ap.add_argument("--peak-only", action="store_true", help="only the plain-dot peak against the chunked form")
     args = ap.parse_args()
 
     tfn, torch = torch_fn()
     nthreads = torch.get_num_threads()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}), "
           f"torch {torch.__version__} with {nthreads} threads")
-    print(f"float32, B={B}, H={H}, dk=dv={D}, use_qk_l2norm=True; median of {args.reps} interleaved runs (ms)\n")
+    print(f"CPU: {cpu_description()}")
+    print(f"float32, B={B}, H={H}, dk=dv={D}, use_qk_l2norm=True; median of {args.reps} interleaved runs (ms)")
+    default_chunk = inspect.signature(chunk_gated_delta_rule).parameters["chunk_size"].default
+    plain_dot_vs_kernel(args.lengths, 3 * args.reps, default_chunk)
+    if args.peak_only:
+        return
+    print()
 
     rows, t_rec = [], None
     chunk, rec = jax_fn("chunk"), jax_fn("recurrent")
@@ -264,7 +333,7 @@ def main():
     print("| multiply-adds (G) | " + " | ".join(f"{sum(chunk_macs(T, C=C).values()) / 1e9:.3f}" for C in tc) + " |")
 
     if t_rec is not None:
-        roofline(T, t_rec, inspect.signature(chunk_gated_delta_rule).parameters["chunk_size"].default)
+        roofline(T, t_rec, default_chunk)
 
     print("\nCompiled memory of the chunked form (memory_analysis, MiB):\n")
     print("| T | temp | output (out + final state) | total | total / T (KiB per token) | temp with states | output with states |")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import weakref
 from typing import NamedTuple, Sequence
 
@@ -216,7 +217,17 @@ def _compiled(model: Model, inputs: Inputs, edits: tuple, context: Context | Non
         hash(structure)
     except TypeError:
         return _forward(model, inputs, edits, context, reads)
-    return _jit_forward(model_dynamic, dynamic, structure, reads)
+    try:
+        return _jit_forward(model_dynamic, dynamic, structure, reads)
+    except jax.errors.JaxRuntimeError as error:  # an eager call's failed check: its own message as the first line
+        message = _CHECK_FAILED.search(str(error))
+        if message is None:
+            raise
+        raise ValueError(message.group(1).strip()) from None
+
+
+# the message of a failed ``eqx.error_if`` check inside a runtime error
+_CHECK_FAILED = re.compile(r"EquinoxRuntimeError: (.*?)(?:\n\s*\n|-{10}|$)", re.S)
 
 
 def _split(tree) -> tuple[list, tuple, jax.tree_util.PyTreeDef]:

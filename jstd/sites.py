@@ -81,8 +81,8 @@ BLOCK_SITES = [
     ("self_attn.attention_values", ("batch", "kv_heads", "seq", "head_dim"), "The values entering attention, before the grouped-query repeat."),
     ("self_attn.attention_scores", ("batch", "heads", "query", "key"), "The attention scores entering the softmax: scaled q·k with the causal and padding mask applied (masked entries hold the dtype's minimum)."),
     ("self_attn.attention_probabilities", ("batch", "heads", "query", "key"), "The attention pattern the values are mixed with (softmax of the scores in float32, cast back)."),
-    ("self_attn.attention_head_outputs", ("batch", "seq", "heads", "head_dim"), "The per-head outputs of the attention, before the output projection."),
-    ("self_attn.attention_premix", ("batch", "seq", "heads", "head_dim"), "Every head's output side by side, as the output projection takes it."),
+    ("self_attn.attention_head_outputs", ("batch", "seq", "heads", "head_dim"), "The per-head outputs of the attention, before the output projection (and before the output gate, where the attention has one: Qwen3.5)."),
+    ("self_attn.attention_premix", ("batch", "seq", "heads", "head_dim"), "Every head's output side by side, as the output projection takes it (after the output gate, where the attention has one)."),
     ("self_attn.attention_output", RESIDUAL, "What the attention adds to the residual stream."),
     ("self_attn.attention_raw_output", RESIDUAL, "The attention's own output (the output projection's), before the post-norm and the residual multiplier that turn it into attention_output; the post-norm undoes a scaling here (up to its eps), so scale attention_output instead.", True, "hyperclovax"),
     # the MLP
@@ -124,6 +124,7 @@ SITES: dict[str, Site] = {
         _site("positions", ("streams", "batch", "seq"), "The position ids the text model's multimodal rotary reads (time, height, width; equal on text), computed from the tokens and the images' grids; read-only.", editable=False),
         _site("next_token_probs", ("batch", "vocab"), "The next-token distribution at the last position (softmax of logits in float32); derived, read-only.", editable=False),
         *(_block_site("layers", *entry) for entry in BLOCK_SITES),
+        _block_site("layers", "deepstack_output", ("image_tokens", "hidden"), "A DeepStack tap: one tower block's output through its own merger, one row per image token (prompt order), added to the stream at the image tokens after this block's layer_output, so the next block's layer_input there is layer_output + deepstack_output (served on the blocks that take one; editing it changes what the text model adds).", True, "qwen3_vl"),
         # vision towers
         _site("vision.patch_embeddings", ("images", "grid", "vision_hidden"), "The tower's patch embeddings, the patch grid in raster order, before any class token or position embedding."),
         *(_block_site("vision.layers", *entry) for entry in BLOCK_SITES

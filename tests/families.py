@@ -19,7 +19,9 @@ from transformers import LlavaNextConfig
 
 import llama_cases
 import olmo_hybrid_cases
+import qwen3_5_cases
 import qwen_vl_cases
+import qwen3_vl_cases
 from reference.checkpoints import make_checkpoint
 from reference.harness import LLAMA_PLAN, TorchReference
 from reference.vision import TowerReference, make_tower_checkpoint
@@ -98,6 +100,11 @@ class Spec:
 def _olmo(case):
     return Spec(lambda: olmo_hybrid_cases.config(case), make=olmo_hybrid_cases.make_checkpoint,
                 reference=lambda folder, dtype: TorchReference(folder, dtype, olmo_hybrid_cases.PLAN), seed=3)
+
+
+def _qwen3_5(case):
+    return Spec(lambda: qwen3_5_cases.config(case), make=qwen3_5_cases.make_checkpoint,
+                reference=qwen3_5_cases.Qwen3_5Reference, seed=3)
 
 
 def _hyperclovax(case):
@@ -211,6 +218,7 @@ CASES: dict[str, Spec] = {
     **{f"llama-{c}": Spec(lambda c=c: llama_cases.config(c)) for c in llama_cases.CASES},
     **{f"hyperclovax-{c}": _hyperclovax(c) for c in HYPERCLOVAX_CASES},
     **{f"olmo_hybrid-{c}": _olmo(c) for c in olmo_hybrid_cases.CASES},
+    **{f"qwen3_5_text-{c}": _qwen3_5(c) for c in qwen3_5_cases.CASES},
     "clip": Spec(lambda: CLIPVisionConfig(**TOWER, hidden_act="quick_gelu"), make=make_tower_checkpoint,
                  reference=TowerReference, tower=True),
     "siglip": Spec(lambda: SiglipVisionConfig(**TOWER), make=make_tower_checkpoint, reference=TowerReference,
@@ -259,8 +267,16 @@ CASES: dict[str, Spec] = {
     **{name: Spec(config, make=qwen_vl_cases.make_qwen_checkpoint, seed=5, images=qwen_vl_cases.qwen_images,
                   reference=QwenVLReference)
        for name, config in qwen_vl_cases.CONFIGS.items()},
+    # Qwen3-VL: the Qwen ViT with learned positions and DeepStack taps into the first text blocks, Qwen3 text
+    "qwen3_vl": Spec(qwen3_vl_cases.config, make=qwen_vl_cases.make_qwen_checkpoint, seed=5,
+                     images=qwen_vl_cases.qwen_images, reference=QwenVLReference),
 }
-MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "clip", "siglip", "llava", "idefics3",
-        "qwen2_5_vl")
+MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "qwen3_5_text-released", "clip", "siglip",
+        "llava", "idefics3", "qwen2_5_vl")
 TEXT_MAIN = tuple(c for c in MAIN if not CASES[c].tower and not CASES[c].wrapper)
+# the first case of each family and tower ("llama-mha", …, "llava"; a case's family is its name before "-")
+_FIRST: dict[str, str] = {}
+for _case in CASES:
+    _FIRST.setdefault(_case.split("-")[0], _case)
+FAMILY_CASES = tuple(_FIRST.values())
 WRAPPERS = tuple(c for c in CASES if CASES[c].wrapper)

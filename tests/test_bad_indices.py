@@ -99,6 +99,14 @@ def test_indices_are_checked_under_jit_and_vmap(model, tokens):
         with pytest.raises(RUNTIME, match=message):
             jax.block_until_ready(f(*args))
 
+    # an eager run (compiled and cached inside): the check's own message is the error, first line and all
+    for edit, axis in [(jstd.Zero(HEADS, layer=0, positions=SEQ), "positions is out of range for the seq axis of "
+                        "size 7; pass indices in -7..6"),
+                       (jstd.Zero(HEADS, layer=0, heads=-5), "heads is out of range for the heads axis of size 4")]:
+        with pytest.raises(ValueError) as caught:
+            jax.block_until_ready(jstd.run(model, tokens, [edit]).logits)
+        assert str(caught.value).splitlines()[0].startswith(f"Zero at layers.self_attn.attention_head_outputs: {axis}")
+
     # a vmap over indices that go past an axis or the depth: one bad entry refuses the whole call
     g = jax.vmap(lambda l, p, h: jstd.run(model, tokens, [jstd.Scale(KEYS, 2.0, layer=l, positions=p, heads=h)]).logits)
     ok = jnp.arange(2)

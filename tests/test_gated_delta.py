@@ -3,7 +3,9 @@
 Covers the recurrent form, the chunked (WY/UT) form and the Pallas kernel (interpret
 mode on the CPU): float32 and bf16 agreement with ``torch_chunk_gated_delta_rule`` /
 ``torch_recurrent_gated_delta_rule``, initial states, odd lengths, grouped heads,
-l2norm on/off, per-token states, exact padding, gradients, linear memory.
+l2norm on/off, per-token states, exact padding, gradients, linear memory; and the kernel
+selection (``jstd.kernels.select``): chunked XLA on this CPU, Pallas on GPU / TPU, the forced
+Pallas kernel on the test model's shapes, the DeltaNet mixer calling the dispatcher.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jstd
+
 torch = pytest.importorskip("torch")
 hf = pytest.importorskip("transformers.models.olmo_hybrid.modeling_olmo_hybrid")
 
@@ -26,6 +30,7 @@ from jstd.kernels.gated_delta import (  # noqa: E402
     unit_lower_inverse,
 )
 from jstd.kernels.pallas.gated_delta import pallas_chunk_gated_delta_rule  # noqa: E402
+from jstd.kernels.select import ENV_VAR, gated_delta_rule, select_gated_delta_kernel  # noqa: E402
 
 
 def pallas_interp(*args, **kwargs):
@@ -291,7 +296,74 @@ def test_pallas_kernel_lowers_for_accelerators(platform, monkeypatch):
 def test_no_torch_import():
     code = (
         "import sys, jstd; before = 'torch' in sys.modules\n"
-        "import jstd.kernels.gated_delta, jstd.kernels.pallas.gated_delta\n"
+        "import jstd.kernels.gated_delta, jstd.kernels.pallas.gated_delta, jstd.kernels.select\n"
         "assert before or 'torch' not in sys.modules, 'gated_delta imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- kernel selection (jstd/kernels/select.py) ----------------------------------------------------
+
+
+def test_kernel_selection(monkeypatch):
+    """Chunked XLA on this CPU, Pallas on GPU / TPU (tileable head dims), recurrent for one token;
+    the argument beats the environment variable, which beats the backend."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert select_gated_delta_kernel(2048, 128, 128) == ("chunk" if jax.default_backend() == "cpu" else "pallas")
+    assert select_gated_delta_kernel(70, 8, 16, backend="cpu") == "chunk"
+    assert select_gated_delta_kernel(1, 128, 128) == "recurrent"
+    for backend in ("gpu", "tpu"):
+        assert select_gated_delta_kernel(2048, 128, 128, backend=backend) == "pallas"
+        assert select_gated_delta_kernel(8192, 16, 64, backend=backend) == "pallas"
+        assert select_gated_delta_kernel(1, 128, 128, backend=backend) == "recurrent"
+        assert select_gated_delta_kernel(2048, 96, 192, backend=backend) == "chunk"  # not powers of two
+        assert select_gated_delta_kernel(2048, 8, 16, backend=backend) == "chunk"  # below Triton's 16
+    assert select_gated_delta_kernel(2048, kernel="pallas_interpret") == "pallas_interpret"
+    monkeypatch.setenv(ENV_VAR, "recurrent")
+    assert select_gated_delta_kernel(2048, backend="gpu") == "recurrent"
+    assert select_gated_delta_kernel(2048, kernel="auto", backend="gpu") == "pallas"
+    monkeypatch.setenv(ENV_VAR, "fastest")
+    with pytest.raises(ValueError, match="unknown gated delta rule kernel"):
+        select_gated_delta_kernel(2048)
+
+
+def test_forced_pallas_matches_torch_on_model_shapes():
+    """The Pallas kernel picked by name (interpreted here) on the test OLMo-Hybrid's DeltaNet
+    shapes (2 key heads of 8 serving 4 value heads of 16, 70 tokens: chunk boundaries and padding,
+    the mixer's chunk of 32): outputs and final state equal transformers' chunked reference, the
+    gradients (its custom vjp) the recurrent form's."""
+    q, k, v, g, beta, s0 = make_inputs(12, 2, 70, 2, 4, 8, 16, l2norm=True, with_state=True)
+    args = tuple(jnp.asarray(x) for x in (q, k, v, g, beta, s0))
+
+    def grads(name):  # (out, final state) and the gradients of a loss of both, in one program
+        def f(*a):
+            o, s = gated_delta_rule(*a[:5], initial_state=a[5], use_qk_l2norm=True, chunk_size=32, kernel=name)
+            w = jnp.cos(jnp.arange(o.size, dtype=o.dtype).reshape(o.shape))
+            return jnp.sum(o * w) + jnp.sum(jnp.sin(s)), (o, s)
+
+        return jax.jit(jax.grad(f, argnums=tuple(range(6)), has_aux=True))(*args)
+
+    got, (o, s) = grads("pallas_interpret")
+    ro, rs = torch_ref(q, k, v, g, beta, s0, l2norm=True)
+    assert rel_max(o, ro.numpy()) <= 1e-5 and rel_max(s, rs.numpy()) <= 1e-5
+    for gr, rf in zip(got, grads("recurrent")[0]):
+        assert rel_max(gr, rf) <= 1e-4
+
+
+def test_mixer_runs_the_selected_kernel(zoo, monkeypatch):
+    """The DeltaNet mixer calls the dispatcher: no Pallas call in the traced model by default
+    (the chunked XLA form: on the CPU, and for these 8 / 16 head dims anywhere), one when the
+    environment variable asks for the kernel."""
+    model = zoo("olmo_hybrid-rotary_grouped").model
+    tokens = np.zeros((1, 40), np.int32)
+    traced = lambda: str(jax.make_jaxpr(lambda m, t: jstd.run(m, t).logits)(model, tokens))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert "pallas_call" not in traced()
+    # the choice is made at trace time and jstd.run keeps its traces: drop them around the forced trace
+    monkeypatch.setenv(ENV_VAR, "pallas_interpret")
+    jax.clear_caches()
+    try:
+        assert "pallas_call" in traced()
+    finally:
+        monkeypatch.delenv(ENV_VAR)
+        jax.clear_caches()

@@ -13,7 +13,8 @@ from safetensors.numpy import load_file, save_file
 import jstd
 from conftest import assert_close
 from olmo_hybrid_cases import CASES, FULL, LINEAR, config
-from reference.cases import FamilyCases, assert_sites_close, jit_run, random_tokens
+from reference.cases import (FamilyCases, assert_hybrid_identities, assert_padded_rows_match, assert_sites_close,
+                             jit_run, random_tokens)
 from reference.harness import TorchEdit
 
 SEQ = 16
@@ -113,37 +114,26 @@ def test_across_a_chunk_boundary(checkpoints):
 def test_identities(case, everything):
     name, _, model, ref = case
     tokens, out, want = everything
-    delta, full = model.layers_with("linear_attn"), model.layers_with("self_attn")
-    x, y = out["layers.layer_input"], out["layers.layer_output"]
-    mlp = out["layers.mlp.mlp_output"]
-    # the block sum, exact, on both kinds (attention_output from the block's own host)
-    for rank, i in enumerate(delta):
-        np.testing.assert_array_equal((x[i] + out[LA + "attention_output"][rank]) + mlp[i], y[i])
-    for rank, i in enumerate(full):
-        np.testing.assert_array_equal((x[i] + out["layers.self_attn.attention_output"][rank]) + mlp[i], y[i])
-    np.testing.assert_array_equal(x[1:], y[:-1])
-    np.testing.assert_array_equal(out["token_embeddings"], x[0])
-    np.testing.assert_array_equal(out[LA + "states"][:, :, -1], out[LA + "state_output"])
-    np.testing.assert_array_equal(out[LA + "state_input"], 0)
-    np.testing.assert_array_equal(jax.jit(jstd.project_on_vocab)(model, y[-1]), out.logits)
+    full = model.layers_with("self_attn")
+    assert_hybrid_identities(model, out)  # the block sum on both kinds, exact, and the stream's identities
     betas = np.asarray(out[LA + "betas"])
     top = 2.0 if CASES[name]["linear_allow_neg_eigval"] else 1.0
     assert betas.min() > 0 and betas.max() < top and (top == 1.0 or betas.max() > 1.0)
-    assert np.asarray(out[LA + "decays"]).max() < 0
     # the attention block has no input norm: the attention reads the raw stream, the MLP reads layer_mid
     np.testing.assert_array_equal(np.asarray(out["layers.mlp_input"])[list(full)], np.asarray(out["layers.layer_mid"])[list(full)])
 
 
 def test_direct_logit_attribution_on_a_hybrid(checkpoints):
-    """DLA reads each block's mixer (DeltaNet or attention) and MLP: the parts sum to the logit difference;
-    per-head attribution is refused (blocks without self_attn)."""
+    """DLA reads each block's mixer (DeltaNet or attention) and MLP: the parts sum to the logit difference; by
+    default it splits no heads here (not exact), and asking for heads is refused (blocks without self_attn)."""
     _, _, model, _ = checkpoints("tail")
     tokens = tokens_for(model, seed=6)
-    dla = jstd.direct_logit_attribution(model, tokens, 5, 9, heads=False)
+    dla = jstd.direct_logit_attribution(model, tokens, 5, 9)
+    assert dla.heads is None
     assert dla.attention.shape == (6, 2) and np.abs(dla.attention).min() > 0
     assert_close(dla.total(), dla.logit, 1e-4, "parts sum to the logit difference")
     with pytest.raises(NotImplementedError, match="blocks without self_attn"):
-        jstd.direct_logit_attribution(model, tokens, 5, 9)
+        jstd.direct_logit_attribution(model, tokens, 5, 9, heads=True)
 
 
 def test_queries_are_q_norm_split_into_heads(checkpoints):
@@ -177,26 +167,9 @@ def test_left_padded_batch(checkpoints):
     name, _, model, ref = checkpoints("rotary_grouped")
     rng = np.random.default_rng(5)
     rows = [rng.integers(2, model.config.vocab_size, n) for n in (SEQ, 9, 4)]
-    tokens = np.zeros((len(rows), SEQ), np.int64)
-    mask = np.zeros((len(rows), SEQ), np.int64)
-    for r, row in enumerate(rows):
-        tokens[r, SEQ - len(row):] = row
-        mask[r, SEQ - len(row):] = 1
     reads = ("layers.layer_output", LA + "attention_queries", LA + "states", LA + "state_output",
              "layers.self_attn.attention_probabilities", "next_token_probs")
-    out = jstd.run(model, tokens, reads=reads, attention_mask=mask)
-    for r, row in enumerate(rows):
-        pad = SEQ - len(row)
-        want = ref.run(row[None], reads=reads + ("logits",))
-        assert_close(out.logits[r, pad:], want["logits"][0], 1e-5, f"{name}: row {r} logits")
-        assert_close(out["layers.layer_output"][:, r, pad:], want["layers.layer_output"][:, 0], 1e-5)
-        assert_close(out[LA + "attention_queries"][:, r, pad:], want[LA + "attention_queries"][:, 0], 1e-5)
-        assert_close(out[LA + "states"][:, r, pad:], want[LA + "states"][:, 0], 1e-5)
-        np.testing.assert_array_equal(out[LA + "states"][:, r, :pad], 0)
-        assert_close(out[LA + "state_output"][:, r], want[LA + "state_output"][:, 0], 1e-5)
-        assert_close(out["layers.self_attn.attention_probabilities"][:, r, :, pad:, pad:],
-                     want["layers.self_attn.attention_probabilities"][:, 0], 1e-5)
-        assert_close(out["next_token_probs"][r], want["next_token_probs"][0], 1e-5)
+    assert_padded_rows_match(model, ref, rows, reads, SEQ, 1e-5, name)
 
 
 # ---- edits --------------------------------------------------------------------------------------

@@ -348,6 +348,26 @@ def test_mrope_equals_qwen2_vl():
             rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 10])), 64)
 
 
+def test_interleaved_mrope_equals_qwen3_vl():
+    """Interleaved multimodal RoPE (Qwen3-VL): frequency j turns with the height or width on every third frequency
+    of their sections, with the time elsewhere, as Qwen3-VL's text rotary recomposes them; a family that sections
+    the frequencies refuses a config asking for interleaving."""
+    from transformers import Qwen3VLTextConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    params = dict(rope_type="default", rope_theta=5e5, mrope_section=[12, 10, 10], mrope_interleaved=True)
+    config = Qwen3VLTextConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
+                               head_dim=64, rope_parameters=params)
+    rotary = rotary_from_config(config, 64, mrope_interleaved=True)
+    pos = np.stack([np.random.default_rng(s).integers(0, 200, (2, 9)) for s in range(3)])
+    cos, sin = jax.jit(lambda p: rotary.cos_sin(p, jnp.float32))(jnp.asarray(pos, jnp.int32))
+    tc, ts = Qwen3VLTextRotaryEmbedding(config)(torch.zeros(1), torch.from_numpy(pos))
+    np.testing.assert_allclose(np.asarray(cos), tc.numpy(), **TOL)
+    np.testing.assert_allclose(np.asarray(sin), ts.numpy(), **TOL)
+    with pytest.raises(ValueError, match="interleaved"):
+        rotary_from_config(config, 64)
+
+
 def test_no_rope_config_gives_none():
     assert rotary_from_config(GPT2Config(n_embd=32, n_head=2, n_layer=1), 16) is None
 

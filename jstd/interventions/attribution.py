@@ -24,7 +24,8 @@ from jaxtyping import Array, Float, Int
 
 from jstd.edits import Add, check_index, check_left_padded, site_axes
 from jstd.inputs import Inputs, as_inputs
-from jstd.interventions.metrics import check_metric, check_token_ids
+from jstd.interventions.metrics import check_token_ids
+from jstd.interventions.patching import checked_metric, pair_inputs
 from jstd.interventions.reading import read
 from jstd.run import run
 from jstd.sites import SITES, SiteError, parse
@@ -64,7 +65,7 @@ def _mixer_sites(model) -> tuple[str, ...]:
 
 def _head_slot(model):
     """The block whose heads are split: every block must be one softmax-attention block that adds o_proj's
-    output linearly (times its multiplier)."""
+    output linearly (times its multiplier); raises NotImplementedError otherwise."""
     stack = model.stacks["layers"]
     block = stack.slots[0]
     if stack.period != 1 or not block.has("self_attn"):
@@ -76,8 +77,18 @@ def _head_slot(model):
     return block
 
 
+def _splits_heads(model) -> bool:
+    """Whether per-head attribution is exact on ``model`` (see :func:`_head_slot`)."""
+    try:
+        _head_slot(model)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def direct_logit_attribution(
-    model, tokens: Int[Array, "batch seq"], target, other=None, *, position: int = -1, heads: bool = True, edits=(),
+    model, tokens: Int[Array, "batch seq"], target, other=None, *, position: int = -1, heads: bool | None = None,
+    edits=(),
     attention_mask: Int[Array, "batch seq"] | None = None,
 ) -> LogitAttribution:
     """Each block's (and head's) direct contribution to ``logit[target] - logit[other]`` at ``position``.
@@ -92,15 +103,18 @@ def direct_logit_attribution(
 
     ``heads`` splits each block's attention into its heads, exact where the
     block adds o_proj's output itself (Llama; HyperCLOVA X without post-norms,
-    times its residual multiplier); raises NotImplementedError on blocks whose
-    attention passes a post-norm (not linear in the heads).
+    times its residual multiplier). ``heads=None`` (the default) splits them
+    where that is exact and leaves ``heads`` None on other models (hybrids,
+    post-norms); ``heads=True`` raises NotImplementedError there.
 
     Raises ValueError for ids outside the vocabulary, SiteError for a
     ``position`` outside ``-seq..seq-1``, ValueError for a negative position
     on rows padded on the right (pad on the left).
     """
     model.readout()  # raises for a model without a final RMSNorm and a linear head
-    if heads:
+    if heads is None:
+        heads = _splits_heads(model)
+    elif heads:
         _head_slot(model)
     inputs = as_inputs(tokens, attention_mask)
     batch, seq = np.shape(inputs.tokens)
@@ -130,7 +144,7 @@ def _dla(model, out, target, other, position, heads):
         pick = lambda ids: jnp.take_along_axis(logits, jnp.broadcast_to(ids, (batch,))[:, None], -1)[:, 0]
         return jnp.sum(pick(target) - (0.0 if other is None else pick(other)))
 
-    direction = jax.grad(readout)(jnp.zeros_like(x)) * final_norm.weight.astype(jnp.float32) * scale  # [batch, hidden]
+    direction = jax.grad(readout)(jnp.zeros_like(x)) * final_norm.effective_weight * scale  # [batch, hidden]
     dot = lambda c: jnp.einsum("...bh,bh->...b", c, direction)
     logits = out.logits[:, position].astype(jnp.float32)
     pick = lambda ids: jnp.take_along_axis(logits, jnp.broadcast_to(ids, (batch,))[:, None], -1)[:, 0]
@@ -156,8 +170,8 @@ def _dla(model, out, target, other, position, heads):
 
 
 def attribution_patching(
-    model, clean: Int[Array, "batch seq"], corrupt: Int[Array, "batch seq"], site: str | Sequence[str], metric, *,
-    heads: bool | None = None, per_element: bool = False, attention_mask: Int[Array, "batch seq"] | None = None,
+    model, clean: Int[Array, "batch seq"] | Inputs, corrupt: Int[Array, "batch seq"] | Inputs,
+    site: str | Sequence[str], metric, *, heads: bool | None = None, per_element: bool = False, attention_mask: Int[Array, "batch seq"] | None = None,
 ):
     """The linear estimate of ``patch_sweep``'s change in ``metric``: gradient × (clean − corrupt) values.
 
@@ -169,17 +183,19 @@ def attribution_patching(
     ``[layers, positions(, heads)]`` (heads kept where the site has them and
     ``heads`` is not False). ``per_element`` returns the unreduced product in
     the site's stacked layout. Returns one array, or a dict for several sites.
+    ``clean`` and ``corrupt`` are token ids of one shape (sharing
+    ``attention_mask``) or ``jstd.Inputs`` (with images on a wrapper).
     """
     sites = (site,) if isinstance(site, str) else tuple(site)
     for s in sites:
         if parse(s)[1] is not None:
             raise SiteError(f"attribution_patching takes every block of a site ('layers.X'); got {s!r}")
-    attention_mask = check_metric(metric, (*np.shape(corrupt), model.config.vocab_size), attention_mask,
-                                  "attribution_patching")
+    clean, corrupt = pair_inputs(clean, corrupt, attention_mask)
+    corrupt = checked_metric(metric, corrupt, model, "attribution_patching")
     # both runs' values from one compiled program, so the difference is exactly zero where they agree
-    clean_values = read(model, clean, sites, (), attention_mask).values
-    corrupt_values = read(model, corrupt, sites, (), attention_mask).values
-    grads = _gradients(model, jnp.asarray(corrupt), attention_mask, metric, sites, clean_values)
+    clean_values = read(model, clean, sites, ()).values
+    corrupt_values = read(model, corrupt, sites, ()).values
+    grads = _gradients(model, corrupt, metric, sites, clean_values)
     result = {}
     for s in sites:
         product = grads[s].astype(jnp.float32) * (clean_values[s].astype(jnp.float32) - corrupt_values[s].astype(jnp.float32))
@@ -188,10 +204,10 @@ def attribution_patching(
 
 
 @eqx.filter_jit
-def _gradients(model, corrupt, attention_mask, metric, sites, like):
+def _gradients(model, corrupt: Inputs, metric, sites, like):
     def f(deltas):
         edits = [Add(s, deltas[s]) for s in sites]
-        return metric(run(model, corrupt, edits, attention_mask=attention_mask).logits)
+        return metric(run(model, corrupt, edits).logits)
 
     return jax.grad(f)({s: jnp.zeros_like(like[s]) for s in sites})
 

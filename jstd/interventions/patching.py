@@ -50,7 +50,7 @@ def _split(site: str, layer):
 
 
 def patch(
-    model, clean: Int[Array, "batch seq"], corrupt: Int[Array, "batch seq"], site: str, *, layer=None,
+    model, clean: Int[Array, "batch seq"] | Inputs, corrupt: Int[Array, "batch seq"] | Inputs, site: str, *, layer=None,
     positions=None, heads=None, metric: Metric | None = None, attention_mask: Int[Array, "batch seq"] | None = None,
 ):
     """Run ``corrupt`` with ``site`` replaced by its value on ``clean`` at ``layer``, ``positions``, ``heads``.
@@ -62,10 +62,10 @@ def patch(
     metric is given, the patched run's ``Outputs`` otherwise.
     """
     site, layer = _split(site, layer)
-    clean, corrupt = _pair(clean, corrupt, attention_mask)
+    clean, corrupt = pair_inputs(clean, corrupt, attention_mask)
     who = f"patch at {site}"
     if metric is not None:
-        corrupt = _checked_metric(metric, corrupt, model, who)
+        corrupt = checked_metric(metric, corrupt, model, who)
     if SITES[site].per_block and layer is not None:
         layer = check_layer(model, site, layer, who)
     value = read(model, clean, (site,), ())[site]
@@ -78,7 +78,7 @@ def patch(
     return out if metric is None else metric(out.logits)
 
 
-def _pair(clean, corrupt, attention_mask) -> tuple[Inputs, Inputs]:
+def pair_inputs(clean, corrupt, attention_mask) -> tuple[Inputs, Inputs]:
     """Both runs' inputs (token arrays share ``attention_mask``); ValueError unless their shapes agree."""
     clean, corrupt = (jax.tree.map(jnp.asarray, as_inputs(x, attention_mask)) for x in (clean, corrupt))
     shapes = [jax.tree.map(np.shape, x) for x in (clean, corrupt)]
@@ -88,7 +88,7 @@ def _pair(clean, corrupt, attention_mask) -> tuple[Inputs, Inputs]:
     return clean, corrupt
 
 
-def _checked_metric(metric, corrupt: Inputs, model, who: str) -> Inputs:
+def checked_metric(metric, corrupt: Inputs, model, who: str) -> Inputs:
     """``corrupt`` once ``metric`` passes its checks on logits of the run's shape (``metrics.check_metric``: token
     ids, positions; left padding for a metric read from the end), its mask checked when traced."""
     tokens = corrupt.tokens
@@ -148,9 +148,9 @@ def patch_sweep(
     up to two entries.
     """
     site, _ = _split(site, None)
-    clean, corrupt = _pair(clean, corrupt, attention_mask)
+    clean, corrupt = pair_inputs(clean, corrupt, attention_mask)
     who = f"patch_sweep at {site}"
-    corrupt = _checked_metric(metric, corrupt, model, who)
+    corrupt = checked_metric(metric, corrupt, model, who)
     spec = SITES[site]
     clean_values = read(model, clean, (site,), ())[site]
     pos_axis, head_axis = site_axes(site)

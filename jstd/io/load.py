@@ -54,8 +54,10 @@ def hf_config(folder: Path):
 def family_for(model_type: str | None, where: str = "the config"):
     """The family serving ``model_type``; ValueError listing jstd's families when there is none (``where``: the
     file named in the message)."""
-    from jstd.models import FAMILIES
+    from jstd.models import FAMILIES, REFUSED
 
+    if model_type in REFUSED:
+        raise ValueError(f"{REFUSED[model_type]} (in {where})")
     if model_type not in FAMILIES:
         what = "no model_type" if model_type is None else f"unsupported model_type {model_type!r}"
         raise ValueError(f"{what}; jstd supports: {', '.join(sorted(FAMILIES))} (in {where}; to add a family see "

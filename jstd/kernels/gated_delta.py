@@ -18,7 +18,8 @@ Two forms compute it:
   from chunk to chunk by a ``lax.scan``. Its memory grows linearly in the sequence
   length (only the inputs and outputs do; the working set is one chunk).
 
-A Pallas version of the chunked form lives in :mod:`jstd.kernels.pallas.gated_delta`.
+A Pallas version of the chunked form lives in :mod:`jstd.kernels.pallas.gated_delta`;
+:mod:`jstd.kernels.select` picks among the three by backend (what the DeltaNet mixer calls).
 
 Conventions, shared by all forms and matching transformers'
 ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule``:

@@ -269,6 +269,8 @@ class Rotary(eqx.Module):
             streams ``[3, batch, seq]`` (time, height, width) and the
             frequencies are cut into consecutive sections of these sizes,
             section ``i`` turning with stream ``i % 3``. None: 1-D positions.
+        mrope_interleaved: the streams interleave instead (Qwen3-VL, Qwen3.5;
+            see ``mrope_streams``).
     """
 
     rope_type: str = eqx.field(static=True)
@@ -282,6 +284,7 @@ class Rotary(eqx.Module):
     factor: float | int | None = eqx.field(static=True, default=None)
     dim: int | None = eqx.field(static=True, default=None)
     mrope_section: tuple[int, ...] | None = eqx.field(static=True, default=None)
+    mrope_interleaved: bool = eqx.field(static=True, default=False)
 
     def inv_freq_for(self, seq_len: Int[Array, ""]) -> Float[Array, " half"]:
         """The float32 frequencies a fresh torch module uses on a first call with this ``seq_len``.
@@ -339,9 +342,10 @@ class Rotary(eqx.Module):
         Works under ``jax.jit`` with traced positions.
 
         With ``mrope_section`` the positions are ``[3, batch, seq]`` (``[batch,
-        seq]`` is taken as three equal streams): frequency ``j`` of section ``i``
-        takes stream ``i % 3``'s position, the same elementwise products as
-        transformers' per-stream cos/sin recomposed by section.
+        seq]`` is taken as three equal streams): frequency ``j`` takes the
+        position of stream ``mrope_streams(...)[j]``, the same elementwise
+        products as transformers' per-stream cos/sin recomposed by section (or
+        interleaved).
         """
         positions = jnp.asarray(positions)
         seq_len = jnp.max(positions).astype(jnp.int32) + 1
@@ -351,7 +355,7 @@ class Rotary(eqx.Module):
         else:
             if positions.ndim == 2:
                 positions = jnp.broadcast_to(positions, (3, *positions.shape))
-            stream = np.concatenate([np.full(n, i % 3) for i, n in enumerate(self.mrope_section)])
+            stream = mrope_streams(self.mrope_section, len(self.inv_freq), self.mrope_interleaved)
             angles = jnp.moveaxis(positions[stream], 0, -1).astype(jnp.float32)  # [batch, seq, half]
         freqs = angles * inv
         emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -361,12 +365,29 @@ class Rotary(eqx.Module):
         return cos.astype(dtype), sin.astype(dtype)
 
 
+def mrope_streams(section: tuple[int, ...], half: int, interleaved: bool) -> np.ndarray:
+    """Which position stream (0 time, 1 height, 2 width) each of the ``half`` rotary frequencies turns with.
+
+    Sectioned (Qwen2-VL): consecutive sections of ``section``'s sizes, section ``i`` on stream ``i % 3``.
+    Interleaved (Qwen3-VL, Qwen3.5: transformers' ``recomposition_frequencies``): frequency ``j`` turns with the
+    height when ``j % 3 == 1`` and ``j < 3 * section[1]``, with the width when ``j % 3 == 2`` and
+    ``j < 3 * section[2]``, with the time otherwise.
+    """
+    if not interleaved:
+        return np.concatenate([np.full(n, i % 3) for i, n in enumerate(section)])
+    stream = np.zeros(half, np.int64)
+    for s in (1, 2):
+        stream[s:section[s] * 3:3] = s
+    return stream
+
+
 def _nested_keys(config, params: dict) -> list[str]:
     labels = getattr(config, "_rope_type_labels", None) or getattr(config, "layer_types", None) or ()
     return [k for k in params if k in labels]
 
 
-def rotary_from_config(config, head_dim: int, *, layer_type: str | None = None) -> Rotary | None:
+def rotary_from_config(config, head_dim: int, *, layer_type: str | None = None,
+                       mrope_interleaved: bool = False) -> Rotary | None:
     """The ``Rotary`` a transformers config builds, or None when it builds none.
 
     ``config`` is a parsed transformers config (``PretrainedConfig``); only its
@@ -386,8 +407,11 @@ def rotary_from_config(config, head_dim: int, *, layer_type: str | None = None) 
 
     Raises ValueError naming the rope_type and listing the supported ones for
     an unsupported ``rope_type``. Multimodal RoPE (``mrope_section``) is
-    supported on the default rope (Qwen2-VL's); its sections must cover the
-    frequencies.
+    supported on the default rope; its sections must cover the frequencies.
+    It is sectioned (Qwen2-VL's) unless ``mrope_interleaved``: a family whose
+    torch rotary interleaves the streams (Qwen3-VL, Qwen3.5, which do so
+    whatever the config's ``mrope_interleaved`` says) passes True. A config
+    asking for interleaving from a family that sections is refused.
     """
     params = getattr(config, "rope_parameters", None)
     if not params:
@@ -409,11 +433,13 @@ def rotary_from_config(config, head_dim: int, *, layer_type: str | None = None) 
             f"Unsupported rope_type {rope_type!r}; supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     mrope = params.get("mrope_section")
-    if mrope is not None and (params.get("mrope_interleaved") or rope_type != "default"):
-        raise ValueError(
-            f"Multimodal RoPE is supported as Qwen2-VL's sectioned default rope; this config has rope_type "
-            f"{rope_type!r}{' interleaved' if params.get('mrope_interleaved') else ''} with mrope_section"
-        )
+    if mrope is not None and rope_type != "default":
+        raise ValueError(f"Multimodal RoPE is supported on the default rope; this config has rope_type {rope_type!r} "
+                         "with mrope_section")
+    if mrope is not None and params.get("mrope_interleaved") and not mrope_interleaved:
+        raise ValueError("this config asks for interleaved multimodal RoPE (mrope_interleaved), which jstd serves on "
+                         "the families whose rotary interleaves (Qwen3-VL); this family's rotary sections the "
+                         "frequencies (Qwen2-VL's M-RoPE)")
 
     base = params.get("rope_theta")
     if base is None:
@@ -493,6 +519,7 @@ def rotary_from_config(config, head_dim: int, *, layer_type: str | None = None) 
         if sum(mrope) != len(inv):
             raise ValueError(f"mrope_section {list(mrope)} must sum to the rotary's {len(inv)} frequencies")
         extra["mrope_section"] = tuple(int(n) for n in mrope)
+        extra["mrope_interleaved"] = bool(mrope_interleaved)
     return Rotary(
         rope_type=rope_type,
         inv_freq=_as_tuple(inv),

@@ -99,10 +99,12 @@ class CausalLM(Model):
         """Final norm, head and whatever follows the head: the logit lens (exact at the last block)."""
         return self.logits_from_norm(self.final_norm(hidden))
 
-    def forward(self, inputs, tap, context=None, merge=None, rope_positions=None):
+    def forward(self, inputs, tap, context=None, merge=None, rope_positions=None, after_block=None):
         """``(logits, reads)``; ``merge`` (a wrapper's): a function of the token embeddings that puts the image
         features in, before the embedding multiplier (None: text alone). ``rope_positions``: a multimodal rotary's
-        position ids ``[3, batch, seq]`` (a wrapper's, from the images; None: from the tokens, as text)."""
+        position ids ``[3, batch, seq]`` (a wrapper's, from the images; None: from the tokens, as text).
+        ``after_block``: ``(h, block) -> h`` on each block's output before the next block reads it (a wrapper's
+        DeepStack features; ``Stack``'s ``after``)."""
         tokens, attention_mask = inputs.tokens, inputs.attention_mask
         s = tap.scope()
         merged = (lambda x: x) if merge is None else merge
@@ -128,7 +130,7 @@ class CausalLM(Model):
             if context.states is not None:
                 pasts["linear_attn"] = (context.states, context.conv_inputs)
         h, block_reads = self.layers(h, tap, {"self_attn": (cos_sin, mask), "linear_attn": (None, padding)}, pasts,
-                                     None if context is None else context.block)
+                                     None if context is None else context.block, after=after_block)
         normed = s("final_norm_output", self.final_norm(h))
         logits = s("logits", self.finish_logits(s("lm_head_output", self.head(normed))))
         return logits, {**s.records, **block_reads}
@@ -211,6 +213,24 @@ class TextFamily(Family):
     def ignored(cls, hf) -> tuple[str, ...]:
         # rotary buffers are recomputed; a tied head stored anyway is the embedding itself
         return ("*rotary_emb.inv_freq",) + (("lm_head.weight",) if tied(hf) else ())
+
+
+class HybridTextFamily(TextFamily):
+    """A text family whose blocks are gated DeltaNet (``linear_attention``) or softmax attention
+    (``full_attention``) blocks as ``config.layer_types`` says (OLMo-Hybrid, Qwen3.5)."""
+
+    LINEAR, FULL = "linear_attention", "full_attention"
+    handled = TextFamily.handled | {"layer_types", "linear_num_key_heads", "linear_num_value_heads",
+                                    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"}
+
+    @classmethod
+    def layer_types(cls, hf) -> tuple[str, ...]:
+        """``config.layer_types``; ValueError naming any kind but the two."""
+        kinds = tuple(hf.layer_types)
+        unknown = set(kinds) - {cls.LINEAR, cls.FULL}
+        if unknown:
+            raise ValueError(f"{cls.family} layer_types holds {sorted(unknown)}; supported: {cls.LINEAR}, {cls.FULL}")
+        return kinds
 
 
 def tied(hf) -> bool:

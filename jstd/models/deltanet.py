@@ -6,7 +6,8 @@
     y, S    = gated_delta_rule(q, k, v, decay, beta, S0)         # l2-normed q, k inside
     out     = o_proj(rms_norm(y) · silu(x @ W_g))                # per value head
 
-as transformers' ``OlmoHybridGatedDeltaNet``. The causal convolutions are
+as transformers' ``OlmoHybridGatedDeltaNet`` and ``Qwen3_5GatedDeltaNet`` (the same
+mixer; their checkpoints lay the projections out differently: ``entries``). The causal convolutions are
 depthwise, ``conv_width`` taps wide, zero-padded on the left. With a padding
 mask, ``x`` is zeroed at padded positions first (transformers'
 ``apply_mask_to_padding_states``): with left padding the state stays exactly
@@ -37,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jstd.kernels.gated_delta import chunk_gated_delta_rule
+from jstd.kernels.select import gated_delta_rule  # the kernel for the backend (jstd/kernels/select.py)
 from jstd.io.namemap import Entry, linear, split_in, split_out
 from jstd.models.base import param, shape
 from jstd.models.layers import RMSNorm, activation
@@ -134,8 +135,8 @@ class GatedDeltaNet(eqx.Module):
             start = jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32) if initial is None else initial
             initial = s(SITE + "state_input", start)
         with_states = s.touches(SITE + "states")
-        result = chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=initial, use_qk_l2norm=True,
-                                        chunk_size=self.chunk_size, return_states=with_states)
+        result = gated_delta_rule(q, k, v, decay, beta, initial_state=initial, use_qk_l2norm=True,
+                                  chunk_size=self.chunk_size, return_states=with_states)
         if with_states:
             y, _, states = result
             states = s(SITE + "states", states)
@@ -150,26 +151,44 @@ class GatedDeltaNet(eqx.Module):
         return jnp.einsum("bthd,hde->bte", y, self.o)
 
     def entries(self, names=None) -> list[Entry]:
-        """transformers' names. The q, k and v convolutions are one depthwise conv1d in transformers;
-        checkpoints store it in three parts (``q_conv1d``, ``k_conv1d``, ``v_conv1d``: split as q|k|v in
-        OLMo-core's files, in equal thirds when transformers saved them), so the parts are concatenated and
-        split by q|k|v channels."""
+        """transformers' names, in the layout ``names["linear_attn_layout"]`` gives.
+
+        ``"separate"`` (the default; OLMo-Hybrid): ``q_proj``, ``k_proj``, ``v_proj``, ``a_proj``, ``b_proj``,
+        ``g_proj`` (the gate), ``o_norm``, ``o_proj``; the q, k and v convolutions are one depthwise conv1d in
+        transformers, which checkpoints store in three parts (``q_conv1d``, ``k_conv1d``, ``v_conv1d``: split as
+        q|k|v in OLMo-core's files, in equal thirds when transformers saved them), so the parts are concatenated
+        and split by q|k|v channels. ``"fused"`` (Qwen3.5): ``in_proj_qkv`` (q|k|v rows), ``in_proj_z`` (the
+        gate), ``in_proj_a``, ``in_proj_b``, one ``conv1d`` over q|k|v channels, ``norm``, ``out_proj``.
+        """
         width, Hk, dk = self.q_conv.shape[-3:]
         Hv = self.v_conv.shape[-2]
         key_dim = Hk * dk
-        parts = tuple(f"{x}_conv1d.weight" for x in "qkv")
 
         def conv(start, stop, heads):  # [q|k|v channels, 1, width] -> [width, heads, dim]
             return lambda w: w[start:stop, 0, :].T.reshape(width, heads, -1)
 
-        return [
-            Entry("q_proj.weight", "q", split_out(Hk)), Entry("k_proj.weight", "k", split_out(Hk)),
-            Entry("v_proj.weight", "v", split_out(Hv)),
-            Entry(parts, "q_conv", conv(0, key_dim, Hk)), Entry(parts, "k_conv", conv(key_dim, 2 * key_dim, Hk)),
-            Entry(parts, "v_conv", conv(2 * key_dim, None, Hv)),
-            Entry("a_proj.weight", "a", linear), Entry("b_proj.weight", "b", linear),
-            Entry("A_log", "A_log"), Entry("dt_bias", "dt_bias"), Entry("g_proj.weight", "gate", split_out(Hv)),
-            Entry("o_norm.weight", "o_norm.weight"), Entry("o_proj.weight", "o", split_in(Hv)),
+        def rows(start, stop, heads):  # [q|k|v rows, embed] -> [embed, heads, dim]
+            return lambda w: split_out(heads)(w[start:stop])
+
+        layout = (names or {}).get("linear_attn_layout", "separate")
+        if layout == "fused":
+            qkv, convs, a, b, gate, norm, out = ("in_proj_qkv.weight", "conv1d.weight", "in_proj_a", "in_proj_b",
+                                                 "in_proj_z", "norm", "out_proj")
+            projections = [Entry(qkv, "q", rows(0, key_dim, Hk)), Entry(qkv, "k", rows(key_dim, 2 * key_dim, Hk)),
+                           Entry(qkv, "v", rows(2 * key_dim, None, Hv))]
+        elif layout == "separate":
+            convs, a, b, gate, norm, out = (tuple(f"{x}_conv1d.weight" for x in "qkv"), "a_proj", "b_proj", "g_proj",
+                                            "o_norm", "o_proj")
+            projections = [Entry("q_proj.weight", "q", split_out(Hk)), Entry("k_proj.weight", "k", split_out(Hk)),
+                           Entry("v_proj.weight", "v", split_out(Hv))]
+        else:
+            raise ValueError(f"unknown DeltaNet checkpoint layout {layout!r}; known: 'separate', 'fused'")
+        return projections + [
+            Entry(convs, "q_conv", conv(0, key_dim, Hk)), Entry(convs, "k_conv", conv(key_dim, 2 * key_dim, Hk)),
+            Entry(convs, "v_conv", conv(2 * key_dim, None, Hv)),
+            Entry(f"{a}.weight", "a", linear), Entry(f"{b}.weight", "b", linear),
+            Entry("A_log", "A_log"), Entry("dt_bias", "dt_bias"), Entry(f"{gate}.weight", "gate", split_out(Hv)),
+            Entry(f"{norm}.weight", "o_norm.weight"), Entry(f"{out}.weight", "o", split_in(Hv)),
         ]
 
     @classmethod

@@ -69,16 +69,27 @@ class RMSNorm(eqx.Module):
 
     ``weight_in_float32``: multiply the weight with the float32 normed value and
     cast the product back (OLMo-2/3's norms) instead of casting first (Llama's);
-    the two differ only below float32.
+    the two differ only below float32. ``unit_offset``: the stored weight is
+    zero-centred and the norm multiplies by ``1 + weight`` (formed in float32,
+    then as ``weight_in_float32``: Qwen3.5's and Qwen3-Next's norms).
     """
 
     weight: Float[Array, "embed"] = param("embed")
     eps: float = eqx.field(static=True)
     weight_in_float32: bool = eqx.field(static=True, default=False)
+    unit_offset: bool = eqx.field(static=True, default=False)
+
+    @property
+    def effective_weight(self) -> Float[Array, "embed"]:
+        """What the normed value is multiplied by, in float32 (``1 + weight`` with ``unit_offset``)."""
+        w = self.weight.astype(jnp.float32)
+        return 1.0 + w if self.unit_offset else w
 
     def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (self.effective_weight * normed).astype(x.dtype)
         if self.weight_in_float32:
             return (self.weight * normed).astype(x.dtype)
         return self.weight * normed.astype(x.dtype)
@@ -87,8 +98,15 @@ class RMSNorm(eqx.Module):
         return [Entry("weight", "weight")]
 
     @classmethod
-    def skeleton(cls, width: int, eps: float, dtype, weight_in_float32: bool = False) -> "RMSNorm":
-        return cls(shape(width, dtype=dtype), eps, weight_in_float32)
+    def skeleton(cls, width: int, eps: float, dtype, weight_in_float32: bool = False,
+                 unit_offset: bool = False) -> "RMSNorm":
+        return cls(shape(width, dtype=dtype), eps, weight_in_float32, unit_offset)
+
+
+class HeadNorm(RMSNorm):
+    """An RMSNorm over each attention head's ``head_dim`` (a per-head ``q_norm`` / ``k_norm``: Qwen3, Qwen3.5)."""
+
+    weight: Float[Array, "head_dim"] = param("head_dim")
 
 
 class LayerNorm(eqx.Module):
@@ -163,8 +181,11 @@ class MLP(eqx.Module):
         return neurons @ self.fc2 + self.fc2_bias
 
     def entries(self, names=None) -> list[Entry]:
-        return [Entry("fc1.weight", "fc1", linear), Entry("fc1.bias", "fc1_bias"),
-                Entry("fc2.weight", "fc2", linear), Entry("fc2.bias", "fc2_bias")]
+        """``names["fc1"]`` / ``names["fc2"]``: the linears' module names where not ``fc1`` / ``fc2`` (Qwen3-VL's
+        ``linear_fc1`` / ``linear_fc2``)."""
+        fc1, fc2 = ((names or {}).get(k, k) for k in ("fc1", "fc2"))
+        return [Entry(f"{fc1}.weight", "fc1", linear), Entry(f"{fc1}.bias", "fc1_bias"),
+                Entry(f"{fc2}.weight", "fc2", linear), Entry(f"{fc2}.bias", "fc2_bias")]
 
     @classmethod
     def skeleton(cls, embed: int, mlp: int, act: str, dtype) -> "MLP":
@@ -175,9 +196,10 @@ class MLP(eqx.Module):
 class Attention(eqx.Module):
     """Softmax attention with grouped-query heads, optional biases and rotary embedding.
 
-    ``q_norm`` / ``k_norm`` (OLMo-2/3; None on Llama) are RMSNorms over the
-    whole query / key projection (every head at once), applied before the
-    split into heads and before the rotary.
+    ``q_norm`` / ``k_norm`` (None on Llama) are RMSNorms applied before the
+    rotary: over the whole query / key projection (every head at once, before
+    the split into heads: OLMo-2/3) or, when the norm is one head wide
+    (``HeadNorm``), over each head (Qwen3, Qwen3.5).
 
     Called as ``attn(x, (cos_sin, mask), s, past)``: ``cos_sin`` None runs no
     rotary (towers); ``mask`` ``[batch, 1, seq, keys]`` (True: attend) or None
@@ -218,8 +240,15 @@ class Attention(eqx.Module):
         y = jnp.einsum("bte,ehd->bthd", x, w)
         y = y if b is None else y + b
         batch, seq, heads, dim = y.shape
+        if norm.weight.shape[-1] == dim:  # one head wide: a norm per head
+            return jnp.swapaxes(norm(y), 1, 2)
         y = norm(y.reshape(batch, seq, heads * dim)).reshape(batch, seq, heads, dim)
         return jnp.swapaxes(y, 1, 2)
+
+    def gated(self, heads: Float[Array, "batch seq heads head_dim"], x: Float[Array, "batch seq embed"]):
+        """What ``o_proj`` receives (``attention_premix``) from the heads' outputs; the heads themselves here
+        (a gated attention multiplies them by its gate)."""
+        return heads
 
     def __call__(self, x: Float[Array, "batch seq embed"], args, s: Taps, past=None) -> Float[Array, "batch seq embed"]:
         cos_sin, mask = args
@@ -240,7 +269,7 @@ class Attention(eqx.Module):
         else:
             heads = attn_kernels.fused(q, k, v, self.scale, mask)
         heads = s("self_attn.attention_head_outputs", heads)
-        heads = s("self_attn.attention_premix", heads)
+        heads = s("self_attn.attention_premix", self.gated(heads, x))
         return _bias(jnp.einsum("bthd,hde->bte", heads, self.o), self.o_bias)
 
     def entries(self, names=None) -> list[Entry]:

@@ -39,31 +39,22 @@ The values, in the standard vocabulary:
 from __future__ import annotations
 
 from jstd.kernels.rope import rotary_from_config
-from jstd.models.causal_lm import TextFamily
+from jstd.models.causal_lm import HybridTextFamily
 from jstd.models.deltanet import GatedDeltaNet
 from jstd.models.layers import Attention, Block, GatedMLP, RMSNorm
 
-LINEAR, FULL = "linear_attention", "full_attention"
+LINEAR, FULL = HybridTextFamily.LINEAR, HybridTextFamily.FULL
 # transformers hard-codes the gated output norm's eps (FLA's FusedRMSNormGated default), ignoring rms_norm_eps
 O_NORM_EPS = 1e-5
 
 
-class OlmoHybrid(TextFamily):
+class OlmoHybrid(HybridTextFamily):
     family = "olmo_hybrid"
     model_types = ("olmo_hybrid",)
     # linear_a_log_* and linear_dt_* only initialize the DeltaNet's decay parameters
-    handled = TextFamily.handled | {
-        "attention_bias", "layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-        "linear_value_head_dim", "linear_conv_kernel_dim", "linear_allow_neg_eigval", "linear_a_log_min",
-        "linear_a_log_max", "linear_dt_min", "linear_dt_max", "linear_dt_init_floor"}
-
-    @classmethod
-    def layer_types(cls, hf) -> tuple[str, ...]:
-        kinds = tuple(hf.layer_types)
-        unknown = set(kinds) - {LINEAR, FULL}
-        if unknown:
-            raise ValueError(f"olmo_hybrid layer_types holds {sorted(unknown)}; supported: {LINEAR}, {FULL}")
-        return kinds
+    handled = HybridTextFamily.handled | {
+        "attention_bias", "linear_allow_neg_eigval", "linear_a_log_min", "linear_a_log_max", "linear_dt_min",
+        "linear_dt_max", "linear_dt_init_floor"}
 
     @classmethod
     def rotary(cls, hf, c):

@@ -100,7 +100,7 @@ class Stack(eqx.Module):
         return next((slot for slot in self.slots if slot.has(host)), None)
 
     def __call__(self, h, tap, args: Mapping[str, tuple], pasts: Mapping[str, object] | None = None, first=None,
-                 keep: tuple[int, ...] = ()):
+                 keep: tuple[int, ...] = (), after: Callable | None = None):
         """Run every block over ``h`` in order; return ``(h, reads)``, or ``(h, reads, streams)`` with ``keep``.
 
         args: mixer host -> the arguments its mixer takes after the normed stream
@@ -116,6 +116,12 @@ class Stack(eqx.Module):
             ``streams`` (a list in ``keep``'s order): projectors that read a block
             before the last. The scan carries them, so the stack's other outputs
             are not kept.
+
+        after: ``after(h, block) -> h`` on each block's output (``block`` its
+            index, traced inside the scan): what a model adds to the stream
+            between blocks (Qwen3-VL's DeepStack features), so block ``i + 1``
+            reads ``after(layer_output of i, i)``. It runs with its block (a
+            block skipped under ``first`` skips it too).
 
         The reads: site -> its value stacked over ``blocks_for(site)``; for a
         site read at single blocks only (``tap.single``), site -> ``{block: value}``.
@@ -150,7 +156,7 @@ class Stack(eqx.Module):
                 def step(h, q=q, block=block, past=past, host=host):
                     s = BlockScope(tap, prefix, j * p + q, group_of, lambda group, q=q: index_in(group, j, q))
                     h = block(h, args[host], s, past)
-                    return h, s.records
+                    return (h if after is None else after(h, j * p + q)), s.records
 
                 h, block_records = step(h) if first is None else _from_block(first, j * p + q, step, h)
                 records.append(block_records)
@@ -158,7 +164,7 @@ class Stack(eqx.Module):
             return h, records
 
         # sites read at single blocks only ("layers.5.X"): kept in the scan's carry, not stacked over every block
-        single = {site: blocks for site, blocks in tap.single.items() if site.startswith(prefix)}
+        single = {site: blocks for site, blocks in tap.single.items() if site in self.sites()}
 
         def keep_single(kept, records, j):
             """Move the single-block reads out of ``records`` (blocks ``j * p + q``; ``j`` an int on the tail)

@@ -35,7 +35,8 @@ from jstd.models.stack import Stack
 from jstd.models.base import Family, Model, shape
 from jstd.vision.mrope import mrope_positions
 from jstd.vision.projector import LinearProjector
-from jstd.vision.qwen_vit import Grids, PackedAttention, PatchMerger, QwenViT, check_grids, vision_inv_freq
+from jstd.vision.qwen_vit import (QWEN2_MERGER_NAMES, Grids, PackedAttention, PatchMerger, QwenViT, check_grids,
+                                  vision_inv_freq)
 from jstd.vision.wrapper import VisionLanguageModel, WrapperFamily
 
 QWEN_VIT_NAMES = {"attention_norm": "norm1", "attn": "attn", "mlp_norm": "norm2", "mlp": "mlp"}
@@ -43,7 +44,8 @@ QWEN_VIT_NAMES = {"attention_norm": "norm1", "attn": "attn", "mlp_norm": "norm2"
 
 class QwenViTFamily:
     """The Qwen ViT declared from a vision config: Qwen2-VL's (``qwen2_vl_vision``: LayerNorm, fc1-QuickGELU-fc2,
-    ``embed_dim`` wide) or Qwen2.5-VL's (``qwen2_5_vl_vision``: RMSNorm, biased SwiGLU, windows)."""
+    ``embed_dim`` wide) or Qwen2.5-VL's (``qwen2_5_vl_vision``: RMSNorm, biased SwiGLU, windows). A subclass
+    overrides the parts that differ (``vision.qwen3_vl.Qwen3ViTFamily``: learned positions, DeepStack)."""
 
     names = QWEN_VIT_NAMES
     # tokens_per_second times video frames (jstd runs images)
@@ -54,6 +56,11 @@ class QwenViTFamily:
     @staticmethod
     def qwen2(hf) -> bool:
         return hf.model_type == "qwen2_vl_vision"
+
+    @classmethod
+    def rms(cls, hf) -> bool:
+        """Whether the block and merger norms are RMSNorms (Qwen2.5-VL) rather than LayerNorms."""
+        return not cls.qwen2(hf)
 
     @classmethod
     def vision_config(cls, hf) -> VisionConfig:
@@ -79,22 +86,31 @@ class QwenViTFamily:
         return tuple("full_attention" if i in full else "window_attention" for i in range(hf.depth))
 
     @classmethod
-    def merger(cls, hf, dtype) -> PatchMerger:
+    def merger(cls, hf, dtype, postshuffle: bool = False) -> PatchMerger:
         v = cls.vision_config(hf)
-        return PatchMerger.skeleton(v.hidden_size, cls.out_width(hf), v.spatial_merge_size, not cls.qwen2(hf), dtype)
+        return PatchMerger.skeleton(v.hidden_size, cls.out_width(hf), v.spatial_merge_size, cls.rms(hf), dtype,
+                                    postshuffle)
+
+    @classmethod
+    def mlp(cls, hf, v: VisionConfig, dtype):
+        if cls.rms(hf):
+            return GatedMLP.skeleton(v.hidden_size, v.intermediate_size, hf.hidden_act, True, dtype)
+        return MLP.skeleton(v.hidden_size, v.intermediate_size, hf.hidden_act, dtype)
+
+    @classmethod
+    def learned(cls, hf, v: VisionConfig, dtype) -> dict:
+        """The tower's parts beyond the shared encoder: ``patch_bias``, ``pos_embed``, ``deepstack_mergers`` and
+        ``deepstack`` (none here)."""
+        return dict(patch_bias=None, pos_embed=None, deepstack_mergers=(), deepstack=())
 
     @classmethod
     def tower(cls, hf, dtype, merger: bool = False) -> QwenViT:
         v = cls.vision_config(hf)
-        rms = not cls.qwen2(hf)
+        rms = cls.rms(hf)
         norm = lambda: RMSNorm.skeleton(v.hidden_size, 1e-6, dtype) if rms else LayerNorm.skeleton(v.hidden_size, 1e-6, dtype)
-        if rms:
-            mlp = lambda: GatedMLP.skeleton(v.hidden_size, v.intermediate_size, hf.hidden_act, True, dtype)
-        else:
-            mlp = lambda: MLP.skeleton(v.hidden_size, v.intermediate_size, hf.hidden_act, dtype)
         block = lambda kind: Block(norm(), PackedAttention.skeleton(v.hidden_size, v.num_heads,
                                                                      kind == "window_attention", dtype),
-                                   None, norm(), mlp(), None)
+                                   None, norm(), cls.mlp(hf, v, dtype), None)
         unit = v.num_channels * v.temporal_patch_size * v.patch_size ** 2
         window = None if v.window_size is None else v.window_size // v.spatial_merge_size // v.patch_size
         return QwenViT(
@@ -102,6 +118,7 @@ class QwenViTFamily:
             layers=Stack.skeleton("vision.layers", cls.kinds(hf), block),
             merger=cls.merger(hf, dtype) if merger else None,
             inv_freq=vision_inv_freq(hf, v.head_dim), merge=v.spatial_merge_size, window=window,
+            **cls.learned(hf, v, dtype),
         )
 
     @classmethod
@@ -122,8 +139,9 @@ def unavailable(model, site: str) -> str:
 
 
 class QwenVisionModel(Model):
-    """A Qwen ViT loaded alone (``qwen2_vl_vision``, ``qwen2_5_vl_vision``): every ``vision.*`` value and the
-    merger's output (``vision.merger.output``, window order on Qwen2.5-VL), ``logits`` None. Runs on
+    """A Qwen ViT loaded alone (``qwen2_vl_vision``, ``qwen2_5_vl_vision``; ``qwen3_vl_vision``, ``qwen3_5_vision``):
+    every ``vision.*`` value and the merger's output (``vision.merger.output``, window order on Qwen2.5-VL),
+    ``logits`` None. Runs on
     ``jstd.Inputs(images={"pixel_values", "image_grid_thw"})`` from the image processor (``Inputs.of``)."""
 
     vision: QwenViT
@@ -232,29 +250,31 @@ class HCXVisionModel(QwenVLModel):
 
 
 class QwenVisionTower(Family):
-    """A Qwen ViT alone, with its merger (``Qwen2VisionTransformerPretrainedModel`` and Qwen2.5-VL's)."""
+    """A Qwen ViT alone, with its merger (``Qwen2VisionTransformerPretrainedModel`` and Qwen2.5-VL's); a subclass
+    names another ``tower_family`` (``vision.qwen3_vl.Qwen3VisionTower``)."""
 
     family = "qwen_vit"
     model_types = ("qwen2_vl_vision", "qwen2_5_vl_vision")
+    tower_family: ClassVar[type] = QwenViTFamily
     handled = QwenViTFamily.handled
 
     @classmethod
     def standard_config(cls, hf) -> ModelConfig:
-        return ModelConfig(model_type=hf.model_type, vision=QwenViTFamily.vision_config(hf))
+        return ModelConfig(model_type=hf.model_type, vision=cls.tower_family.vision_config(hf))
 
     @classmethod
     def skeleton(cls, hf, dtype) -> QwenVisionModel:
         return QwenVisionModel(config=cls.standard_config(hf), family=cls.family,
-                               vision=QwenViTFamily.tower(hf, dtype, merger=True))
+                               vision=cls.tower_family.tower(hf, dtype, merger=True))
 
     @classmethod
     def name_map(cls, hf, skeleton=None):
         skeleton = skeleton if skeleton is not None else cls.skeleton(hf, "float32")
-        return skeleton.vision.name_map("vision", "", QWEN_VIT_NAMES)
+        return skeleton.vision.name_map("vision", "", cls.tower_family.names)
 
     @classmethod
     def ignored(cls, hf) -> tuple[str, ...]:
-        return QwenViTFamily.ignored(hf)
+        return cls.tower_family.ignored(hf)
 
     @classmethod
     def stored_prefixes(cls, hf) -> dict[str, tuple[str, ...]]:
@@ -275,11 +295,12 @@ class Qwen2VL(WrapperFamily):
 
     @classmethod
     def projector(cls, hf, dtype):
-        return QwenViTFamily.merger(hf.vision_config, dtype)
+        return cls.tower_for(hf).merger(hf.vision_config, dtype)
 
     @classmethod
     def projector_entries(cls, hf, projector):
-        return [e.under(cls.keys["tower"] + "merger.", "projector.") for e in projector.entries()]
+        names = cls.tower_for(hf).names.get("merger", QWEN2_MERGER_NAMES)
+        return [e.under(cls.keys["tower"] + "merger.", "projector.") for e in projector.entries(names)]
 
     @classmethod
     def stored_prefixes(cls, hf) -> dict[str, tuple[str, ...]]:

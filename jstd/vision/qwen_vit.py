@@ -1,11 +1,13 @@
-"""The Qwen ViT vision encoder (Qwen2-VL, Qwen2.5-VL, HyperCLOVA X Vision V2): every image of a call packed in one
-row, attention once per image (or window), a 2-D rotary, and the patch merger.
+"""The Qwen ViT vision encoder (Qwen2-VL, Qwen2.5-VL, HyperCLOVA X Vision V2, Qwen3-VL, Qwen3.5): every image of a
+call packed in one row, attention once per image (or window), a 2-D rotary, and the patch merger.
 
-    x      = pixel_values @ patch_embedding            # vision.patch_embeddings [1, patches, vision_hidden]
+    x      = pixel_values @ patch_embedding (+ bias)   # vision.patch_embeddings [1, patches, vision_hidden]
+    x      = x + pos_embed resampled to each grid      # Qwen3-VL, Qwen3.5 only (bilinear, merge-block order)
     x      = x[window order]                           # Qwen2.5-VL only: merge blocks regrouped into windows
     h      = vision.layers(x)                          # attention within each image (frame), or each window
     out    = h                                         # vision.tower_output: the last block's stream
-    merged = merger(h)                                 # ln_q, each 2 × 2 block concatenated, Linear-GELU-Linear
+    merged = merger(h)                                 # norm, each 2 × 2 block concatenated, Linear-GELU-Linear
+    taps   = [merger_k(h_k) for the DeepStack blocks]  # Qwen3-VL only: block k's stream through its own merger
 
 The processor cuts image k into its own ``t × h × w`` grid of patches (``image_grid_thw``), rows of
 ``channels · temporal_patch_size · patch · patch`` pixels, patches in *merge-block order* (the 2 × 2 block the
@@ -26,6 +28,14 @@ index below is a numpy constant and the computation jits with static shapes:
   order inside each), so every block value and ``vision.tower_output`` are in window order; blocks in
   ``fullatt_block_indexes`` attend over whole images, the others within windows. The merged tokens are put back
   into the images' raster order after the merger (``restore``).
+- **Learned positions (Qwen3-VL, Qwen3.5).** A square table of ``side × side`` position embeddings is resampled to
+  each image's ``h × w`` grid by bilinear interpolation with aligned corners (``position_taps``: four table rows and
+  their float32 weights per patch, as transformers' ``get_vision_interpolation_indices_and_weights``) and added to
+  the patch embeddings: ``vision.layers.0.layer_input`` is ``patch_embeddings`` plus the resampled table.
+- **DeepStack (Qwen3-VL).** The outputs of the blocks in ``deepstack`` (the config's
+  ``deepstack_visual_indexes``) each go through their own merger, whose norm comes after the 2 × 2 concatenation
+  (``postshuffle``); the tower returns them in block order, one ``[tokens, hidden]`` array each, for the wrapper to
+  add to the text model's stream.
 """
 
 from __future__ import annotations
@@ -41,12 +51,16 @@ from jaxtyping import Array, Float
 from jstd.io.namemap import Entry
 from jstd.kernels import attention as attn_kernels
 from jstd.kernels.rope import _default_inv_freq, _rotate_half
+from jstd.kernels.rounding import rounded
 from jstd.models.base import param, shape
 from jstd.models.layers import LayerNorm, RMSNorm
 from jstd.models.stack import Stack
 from jstd.vision.projector import MLPProjector
 
 Grids = tuple[tuple[int, int, int], ...]
+# the merger's module names: Qwen2-VL's line (ln_q, mlp.0, mlp.2) and Qwen3-VL's (norm, linear_fc1, linear_fc2)
+QWEN2_MERGER_NAMES = {"norm": "ln_q", "fc1": "mlp.0", "fc2": "mlp.2"}
+QWEN3_MERGER_NAMES = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
 
 
 # ---------------------------------------------------------------------------
@@ -140,6 +154,26 @@ def packing(grids: Grids, merge: int, window: int | None) -> Packing:
     return Packing(positions[order], order, np.argsort(blocks), full, segments(lengths))
 
 
+@functools.lru_cache(maxsize=64)
+def position_taps(grids: Grids, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(indices [patches, 4], weights [patches, 4] float32)``: the rows of a ``side × side`` position table
+    (row-major) and their weights that resample it bilinearly, corners aligned, to each patch of ``grids``
+    (merge-block order, frames repeated). Transformers' float32 steps: ``src = index · (side - 1) / (size - 1)``,
+    taps ``floor(src)`` and ``floor(src) + 1`` clamped to the table, weights ``1 - |src - floor - offset|``, and
+    the row weight times the column weight."""
+    positions = merge_block_positions(grids, merge)
+    sizes = np.concatenate([np.tile([[h, w]], (t * h * w, 1)) for t, h, w in grids])
+    f32 = np.float32
+    src = (positions.astype(f32) * f32(side - 1)).astype(f32) / np.maximum(sizes - 1, 1).astype(f32)
+    floor = np.floor(src)
+    offsets = np.arange(2)
+    taps = np.clip(floor.astype(np.int64)[..., None] + offsets, 0, side - 1)          # [patches, 2 axes, 2]
+    weights = np.maximum(f32(1) - np.abs((src - floor)[..., None] - offsets.astype(f32)), f32(0)).astype(f32)
+    indices = taps[:, 0, :, None] * side + taps[:, 1, None, :]
+    weights = (weights[:, 0, :, None] * weights[:, 1, None, :]).astype(f32)
+    return indices.reshape(-1, 4).astype(np.int32), weights.reshape(-1, 4)
+
+
 def _take(x, index, axis):
     return x if index is None else jnp.take(x, jnp.asarray(index), axis=axis)
 
@@ -207,28 +241,35 @@ def segment_attention(q: Float[Array, "1 heads patches dim"], k, v, scale: float
 
 
 class PatchMerger(eqx.Module):
-    """transformers' ``PatchMerger``: ``ln_q`` on each patch, each ``merge²`` consecutive patches (a merge block)
-    concatenated, then Linear, GELU, Linear (``mlp.0``, ``mlp.2``)."""
+    """transformers' ``PatchMerger``: a norm on each patch (``postshuffle``: on each concatenation instead, Qwen3-VL's
+    DeepStack mergers), each ``merge²`` consecutive patches (a merge block) concatenated, then Linear, GELU
+    (exact), Linear."""
 
     norm: LayerNorm | RMSNorm
     mlp: MLPProjector
     unit: int = eqx.field(static=True)
+    postshuffle: bool = eqx.field(static=True, default=False)
 
     def __call__(self, x: Float[Array, "patches vision_hidden"]) -> Float[Array, "tokens hidden"]:
+        if self.postshuffle:
+            return self.mlp(self.norm(x.reshape(-1, self.unit * x.shape[-1])))
         return self.mlp(self.norm(x).reshape(-1, self.unit * x.shape[-1]))
 
-    def entries(self) -> list[Entry]:
-        return ([e.under("ln_q.", "norm.") for e in self.norm.entries()]
-                + [e.under("", "mlp.") for e in self.mlp.entries({"fc1": "mlp.0", "fc2": "mlp.2"})])
+    def entries(self, names: dict = QWEN2_MERGER_NAMES) -> list[Entry]:
+        """``names``: the checkpoint's ``norm``, ``fc1`` and ``fc2`` module names (``QWEN2_MERGER_NAMES``,
+        ``QWEN3_MERGER_NAMES``)."""
+        return ([e.under(names["norm"] + ".", "norm.") for e in self.norm.entries()]
+                + [e.under("", "mlp.") for e in self.mlp.entries({"fc1": names["fc1"], "fc2": names["fc2"]})])
 
     @classmethod
-    def skeleton(cls, width: int, out: int, merge: int, rms: bool, dtype) -> "PatchMerger":
+    def skeleton(cls, width: int, out: int, merge: int, rms: bool, dtype, postshuffle: bool = False) -> "PatchMerger":
         unit = merge * merge
-        norm = RMSNorm.skeleton(width, 1e-6, dtype) if rms else LayerNorm.skeleton(width, 1e-6, dtype)
+        normed = width * unit if postshuffle else width
+        norm = RMSNorm.skeleton(normed, 1e-6, dtype) if rms else LayerNorm.skeleton(normed, 1e-6, dtype)
         mlp = MLPProjector.skeleton(width * unit, width * unit, "gelu", True, dtype)
         mlp = eqx.tree_at(lambda m: m.fc2, mlp, shape(width * unit, out, dtype=dtype))
         mlp = eqx.tree_at(lambda m: m.fc2_bias, mlp, shape(out, dtype=dtype))
-        return cls(norm, mlp, unit)
+        return cls(norm, mlp, unit, postshuffle)
 
 
 # ---------------------------------------------------------------------------
@@ -237,14 +278,22 @@ class PatchMerger(eqx.Module):
 
 
 class QwenViT(eqx.Module):
-    """Arrays: ``patch_embedding`` [channels·temporal·patch·patch, embed] (the Conv3d as a matmul), ``layers`` (a
-    Stack, prefix ``vision.layers``), ``merger`` (HyperCLOVA X Vision V2 serves it as ``vision.merger``; None
-    where the wrapper's projector is the merger). Static: ``inv_freq`` of the 2-D rotary, ``merge`` (spatial
-    merge size), ``window`` (merge blocks per window side; None: no windows)."""
+    """Arrays: ``patch_embedding`` [channels·temporal·patch·patch, embed] (the Conv3d as a matmul) and its
+    ``patch_bias`` (Qwen3-VL, Qwen3.5; else None), ``pos_embed`` [side², embed] (the learned position table of
+    Qwen3-VL and Qwen3.5; else None), ``layers`` (a Stack, prefix ``vision.layers``), ``merger`` (HyperCLOVA X
+    Vision V2 serves it as ``vision.merger``; None where the wrapper's projector is the merger),
+    ``deepstack_mergers`` (one per entry of ``deepstack``; empty without DeepStack). Static: ``deepstack`` (the
+    blocks whose outputs feed DeepStack, in the config's order: merger ``i`` reads block ``deepstack[i]``),
+    ``inv_freq`` of the 2-D rotary, ``merge`` (spatial merge size), ``window`` (merge blocks per window side;
+    None: no windows)."""
 
     patch_embedding: Float[Array, "patch_in embed"] = param("patch_in", "embed")
+    patch_bias: Float[Array, "embed"] | None = param("embed")
+    pos_embed: Float[Array, "positions embed"] | None = param("positions", "embed")
     layers: Stack
     merger: PatchMerger | None
+    deepstack_mergers: tuple[PatchMerger, ...]
+    deepstack: tuple[int, ...] = eqx.field(static=True)
     inv_freq: tuple[float, ...] = eqx.field(static=True)
     merge: int = eqx.field(static=True)
     window: int | None = eqx.field(static=True, default=None)
@@ -262,37 +311,66 @@ class QwenViT(eqx.Module):
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         return jnp.cos(emb), jnp.sin(emb)
 
+    def positions(self, grids: Grids, dtype) -> Float[Array, "patches embed"]:
+        """The position table resampled to every patch of ``grids`` (``position_taps``), summed in float32 and
+        cast to ``dtype``, as transformers adds it."""
+        side = int(self.pos_embed.shape[0] ** 0.5)  # transformers: int(num_position_embeddings ** 0.5)
+        indices, weights = position_taps(grids, self.merge, side)
+        rows = self.pos_embed[jnp.asarray(indices)].astype(jnp.float32)  # [patches, 4, embed]
+        # each product rounded before the sum, and the sum before the add, as torch does (no fused multiply-adds)
+        return rounded(rounded(rows * jnp.asarray(weights)[..., None]).sum(1).astype(dtype))
+
     def __call__(self, pixel_values: Float[Array, "patches patch_in"], tap, streams: tuple[int, ...] = (),
                  grids: Grids = ()):
-        """``(out, [], reads)``: ``out`` the merged tokens in the images' order ``[tokens, merged]`` with a merger,
-        else the last block's stream ``[1, patches, vision_hidden]`` (in window order with windows). ``grids``:
-        each image's (t, h, w), static."""
+        """``(out, deepstack, reads)``: ``out`` the merged tokens in the images' order ``[tokens, merged]`` with a
+        merger, else the last block's stream ``[1, patches, vision_hidden]`` (in window order with windows);
+        ``deepstack`` the DeepStack blocks' outputs through their mergers, in block order, each ``[tokens,
+        merged]`` (empty without DeepStack). ``grids``: each image's (t, h, w), static."""
         if streams:
             raise ValueError("the Qwen ViT serves its last block's stream only")
         s = tap.scope("vision.")
         layout = self.packing(grids)
         dtype = self.patch_embedding.dtype
-        x = s("patch_embeddings", (pixel_values.astype(dtype) @ self.patch_embedding)[None])
+        x = pixel_values.astype(dtype) @ self.patch_embedding
+        x = s("patch_embeddings", (x if self.patch_bias is None else x + self.patch_bias)[None])
+        if self.pos_embed is not None:
+            x = x + self.positions(grids, dtype)
         x = _take(x, layout.order, axis=1)
         cos_sin = self.rotary(layout.positions)
         segs = {"full": layout.full, "window": layout.window}
-        h, reads = self.layers(x, tap, {"self_attn": (cos_sin, segs)})
+        args = {"self_attn": (cos_sin, segs)}
+        # transformers taps the blocks in block order, each through the merger the config lists it with
+        blocks = tuple(sorted(set(self.deepstack)))
+        if blocks:
+            h, reads, kept = self.layers(x, tap, args, keep=blocks)
+        else:
+            (h, reads), kept = self.layers(x, tap, args), []
+        deepstack = [self.deepstack_mergers[self.deepstack.index(b)](stream[0]) for b, stream in zip(blocks, kept)]
         s("tower_output", h)  # the merger reads the stream before this value: an edit here changes nothing
         out = h
         if self.merger is not None:
             out = _take(s("merger.output", self.merger(h[0])), layout.restore, axis=0)
-        return out, [], {**s.records, **reads}
+        return out, deepstack, {**s.records, **reads}
 
     def restore(self, merged: Float[Array, "tokens hidden"], grids: Grids) -> Float[Array, "tokens hidden"]:
         """Merged tokens from window order back to the images' raster order (the identity without windows)."""
         return _take(merged, self.packing(grids).restore, axis=0)
 
     def name_map(self, path: str, key: str, names: dict) -> list[Entry]:
-        """The tower's entries under ``path`` in the model and ``key`` in the checkpoint (``blocks.{i}``)."""
+        """The tower's entries under ``path`` in the model and ``key`` in the checkpoint (``blocks.{i}``);
+        ``names``: the blocks' module names, and the mergers' under ``"merger"`` (default ``QWEN2_MERGER_NAMES``)."""
         conv = lambda w: w.reshape(w.shape[0], -1).T  # [embed, C, T, p, p] -> [C·T·p·p, embed]
         entries = [Entry(key + "patch_embed.proj.weight", path + ".patch_embedding", conv)]
+        if self.patch_bias is not None:
+            entries.append(Entry(key + "patch_embed.proj.bias", path + ".patch_bias"))
+        if self.pos_embed is not None:
+            entries.append(Entry(key + "pos_embed.weight", path + ".pos_embed"))
+        merger = names.get("merger", QWEN2_MERGER_NAMES)
         if self.merger is not None:
-            entries += [e.under(key + "merger.", path + ".merger.") for e in self.merger.entries()]
+            entries += [e.under(key + "merger.", path + ".merger.") for e in self.merger.entries(merger)]
+        for i, m in enumerate(self.deepstack_mergers):
+            entries += [e.under(f"{key}deepstack_merger_list.{i}.", f"{path}.deepstack_mergers.{i}.")
+                        for e in m.entries(merger)]
         return entries + self.layers.name_map(f"{path}.layers", f"{key}blocks.{{i}}.", lambda kind: names)
 
 

@@ -41,5 +41,21 @@ def scatter(embeddings: Float[Array, "batch seq hidden"], mask: Bool[Array, "bat
     the embeddings' dtype. The caller has checked that ``mask`` holds ``len(features)`` positions."""
     if features.shape[0] == 0:
         return embeddings
+    return jnp.where(mask[..., None], gathered(mask, features).astype(embeddings.dtype), embeddings)
+
+
+def scatter_add(stream: Float[Array, "batch seq hidden"], mask: Bool[Array, "batch seq"],
+                features: Float[Array, "image_tokens hidden"]) -> Float[Array, "batch seq hidden"]:
+    """``stream`` with ``features[k]`` (cast to the stream's dtype) added at the ``k``-th True position of ``mask``
+    (row-major) and nothing added elsewhere (Qwen3-VL's DeepStack). The caller has checked the count."""
+    if features.shape[0] == 0:
+        return stream
+    return jnp.where(mask[..., None], stream + gathered(mask, features).astype(stream.dtype), stream)
+
+
+def gathered(mask: Bool[Array, "batch seq"], features: Float[Array, "image_tokens hidden"]
+             ) -> Float[Array, "batch seq hidden"]:
+    """At each position, the feature row of its rank among the True positions of ``mask`` (row-major); rows at
+    False positions are arbitrary (the callers mask them)."""
     index = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, features.shape[0] - 1).reshape(mask.shape)
-    return jnp.where(mask[..., None], features.astype(embeddings.dtype)[index], embeddings)
+    return features[index]

@@ -79,6 +79,12 @@ class VisionLanguageModel(Model):
         own, from the tokens)."""
         return None
 
+    def between_blocks(self, streams, mask, tap):
+        """``(after, reads)``: what the wrapper adds to the text stream between blocks (``CausalLM.forward``'s
+        ``after_block``; None: nothing) from the tower's ``streams``, and the values it read doing so (Qwen3-VL's
+        DeepStack features)."""
+        return None, {}
+
     def num_features(self, inputs: Inputs) -> int:
         """How many image features ``inputs`` give (static: from the shapes and ``inputs.layout``)."""
         pixels = inputs.images["pixel_values"]
@@ -119,12 +125,12 @@ class VisionLanguageModel(Model):
         s = tap.scope()
         tokens = inputs.tokens
         mask = s("vision.image_token_mask", image_token_mask(tokens, self.image_token_id))
-        merge = rope = None
-        reads = {}
+        merge = rope = after = None
+        reads, added = {}, {}
         if inputs.images is None:
             tokens = check_image_tokens(tokens, self.image_token_id, 0, "no images")
-            touched = sorted(site for site in tap.reads | set(tap.edits)
-                             if site.split(".")[0] in ("vision", "projector") and site != "vision.image_token_mask")
+            imaged = self.sites - self.text.sites - {"vision.image_token_mask"}  # the tower's, the merge's, DeepStack's
+            touched = sorted(site for site in tap.reads | set(tap.edits) if site in imaged)
             if touched:
                 raise ValueError(f"{touched[0]} needs images, and these inputs have none")
         else:
@@ -136,8 +142,9 @@ class VisionLanguageModel(Model):
             features = s("vision.image_features", self.features(y, inputs))
             merge = lambda embeddings: scatter(embeddings, mask, features)
             rope = self.rope_positions(tokens, inputs)
-        logits, text_reads = self.text.forward(Inputs(tokens, inputs.attention_mask), tap, context, merge, rope)
-        return logits, {**reads, **s.records, **text_reads}
+            after, added = self.between_blocks(streams, mask, tap)
+        logits, text_reads = self.text.forward(Inputs(tokens, inputs.attention_mask), tap, context, merge, rope, after)
+        return logits, {**reads, **s.records, **added, **text_reads}
 
     # the text model's head, for the lens and direct logit attribution
     def project_on_vocab(self, hidden):

@@ -87,6 +87,64 @@ class FamilyCases:
         return (case.spec.inputs(case.model)[0],) + self.zoo.every_value(case.name)
 
 
+def left_padded(rows, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, attention_mask), both int64 [len(rows), seq]: each row of token ids right-aligned, the positions
+    before it padding (token 0, mask 0)."""
+    tokens = np.zeros((len(rows), seq), np.int64)
+    mask = np.zeros((len(rows), seq), np.int64)
+    for r, row in enumerate(rows):
+        tokens[r, seq - len(row):] = row
+        mask[r, seq - len(row):] = 1
+    return tokens, mask
+
+
+# where a value's seq axis is (after the block axis), for comparing a padded row's real positions
+PADDED_SLICES = {
+    "layers.layer_output": lambda v, r, pad: v[:, r, pad:],
+    "layers.linear_attn.attention_queries": lambda v, r, pad: v[:, r, pad:],
+    "layers.linear_attn.states": lambda v, r, pad: v[:, r, pad:],
+    "layers.linear_attn.state_output": lambda v, r, pad: v[:, r],
+    "layers.self_attn.attention_probabilities": lambda v, r, pad: v[:, r, :, pad:, pad:],
+    "next_token_probs": lambda v, r, pad: v[r],
+}
+
+
+def assert_padded_rows_match(model, ref, rows, reads, seq: int, rtol: float = 1e-5, label: str = "") -> None:
+    """Run ``rows`` (token id arrays) left-padded to ``seq`` in one batch and assert that each row equals the
+    reference run on that row alone: the logits and each of ``reads`` (keys of ``PADDED_SLICES``) at the row's real
+    positions; DeltaNet ``states`` read are exactly zero through the padding. Returns None."""
+    tokens, mask = left_padded(rows, seq)
+    out = jit_run(model, jstd.Inputs(tokens, mask), reads=tuple(reads))
+    for r, row in enumerate(rows):
+        pad = seq - len(row)
+        want = ref.run(row[None], reads=tuple(reads) + ("logits",))
+        assert_close(out.logits[r, pad:], want["logits"][0], rtol, f"{label}: row {r} logits")
+        for site in reads:
+            assert_close(PADDED_SLICES[site](out[site], r, pad), PADDED_SLICES[site](want[site], 0, 0), rtol,
+                         f"{label}: row {r} {site}")
+        if "layers.linear_attn.states" in reads:
+            np.testing.assert_array_equal(out["layers.linear_attn.states"][:, r, :pad], 0)
+
+
+def assert_hybrid_identities(model, out) -> None:
+    """The identities of a hybrid of DeltaNet and attention blocks on ``out`` (every value read), exact: each
+    block's ``layer_input + attention_output + mlp_output == layer_output`` (from the block's own host), block
+    ``i + 1`` reads block ``i``'s output, block 0 the token embeddings, the last ``states`` entry is
+    ``state_output``, ``state_input`` is zero, the logit lens at the last block is the logits, and decays are
+    negative. Returns None."""
+    la = "layers.linear_attn."
+    x, y, mlp = out["layers.layer_input"], out["layers.layer_output"], out["layers.mlp.mlp_output"]
+    for host in ("linear_attn", "self_attn"):
+        for rank, i in enumerate(model.layers_with(host)):
+            np.testing.assert_array_equal((x[i] + out[f"layers.{host}.attention_output"][rank]) + mlp[i], y[i])
+    np.testing.assert_array_equal(x[1:], y[:-1])
+    np.testing.assert_array_equal(out["token_embeddings"], x[0])
+    np.testing.assert_array_equal(out[la + "states"][:, :, -1], out[la + "state_output"])
+    np.testing.assert_array_equal(out[la + "state_input"], 0)
+    np.testing.assert_array_equal(jax.jit(jstd.project_on_vocab)(model, y[-1]), out.logits)
+    assert np.asarray(out[la + "decays"]).max() < 0
+
+
 def assert_sites_close(out, want, sites, rtol: float = 1e-5, label: str = "") -> None:
     """Assert that jstd's ``out[site]`` is within ``rtol`` of the reference's ``want[site]`` (``assert_close``)
     for each of ``sites`` and the logits; a failure names ``label:site``. Returns None."""

@@ -70,10 +70,12 @@ HYPERCLOVAX_TEXT_PLAN = {
 }
 
 
-def vision_plan(tower: str, qwen2: bool) -> dict:
-    """The encoder's sites under ``tower`` (Qwen2-VL's MLP is fc1/act/fc2, Qwen2.5-VL's gate/up/down)."""
+def vision_plan(tower: str, family: str) -> dict:
+    """The encoder's sites under ``tower`` (Qwen2-VL's MLP is fc1/act/fc2, Qwen2.5-VL's gate/up/down, Qwen3-VL's
+    linear_fc1/act_fn/linear_fc2)."""
     block = tower + ".blocks.{i}"
-    act, down = ("mlp.act", "mlp.fc2") if qwen2 else ("mlp.act_fn", "mlp.down_proj")
+    act, down = {"qwen2_vl": ("mlp.act", "mlp.fc2"),
+                 "qwen3_vl": ("mlp.act_fn", "mlp.linear_fc2")}.get(family, ("mlp.act_fn", "mlp.down_proj"))
     return {
         "vision.patch_embeddings": (tower + ".patch_embed", "out"),
         "vision.layers.layer_input": (block, "in"),
@@ -108,7 +110,13 @@ class QwenVLReference(WrapperReference):
         text_plan = HYPERCLOVAX_TEXT_PLAN if self.hyperclovax else LLAMA_PLAN
         self.plan = {site: (path.replace("model.", text + ".", 1) if path.startswith("model.") else path, *rest)
                      for site, (path, *rest) in text_plan.items()}
-        self.plan.update(vision_plan(tower, qwen2=self.family == "qwen2_vl"))
+        self.plan.update(vision_plan(tower, self.family))
+        # Qwen3-VL's DeepStack taps: tap k is the k-th listed block in block order, through the merger the config
+        # lists that block with
+        listed = list(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
+        self.deepstack = [listed.index(b) for b in sorted(set(listed))][:config.text_config.num_hidden_layers]
+        if self.deepstack:
+            self.plan["layers.deepstack_output"] = (tower + ".deepstack_merger_list.{i}", "out")
         self.plan.update({"projector.input": (self.paths["projector"], "in"),
                           "projector.output": (self.paths["projector"], "out")})
         if self.hyperclovax:
@@ -120,6 +128,11 @@ class QwenVLReference(WrapperReference):
         self.vision_config = config.vision_config
         self.vision_layers = config.vision_config.depth
         self.vision_heads = config.vision_config.num_heads
+
+    def _blocks(self, entry):
+        if "deepstack_merger_list" in entry[0]:
+            return [(k, (entry[0].format(i=m), *entry[1:])) for k, m in enumerate(self.deepstack)]
+        return super()._blocks(entry)
 
     def sites(self):
         return (tuple(self.plan) + ATTENTION_INTERIOR + QWEN_VISION_INTERIOR[:3]

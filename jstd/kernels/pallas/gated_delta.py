@@ -1,9 +1,10 @@
 """Gated delta rule, chunked form, as a Pallas kernel.
 
 Same math, signature and results as :func:`jstd.kernels.gated_delta.chunk_gated_delta_rule`
-(plus ``interpret``). A kernel program handles one (batch, head, value-column block): the
-delta rule is separable over the state's value columns (column ``j`` of ``S`` only ever
-reads ``v[:, j]``), so value columns split across programs exactly; each program
+(plus ``interpret``); :mod:`jstd.kernels.select` runs it on GPU and TPU backends. A kernel
+program handles one (batch, head, value-column block): the delta rule is separable over
+the state's value columns (column ``j`` of ``S`` only ever reads ``v[:, j]``), so value
+columns split across programs exactly; each program
 recomputes its chunks' UT inverse. Two grid layouts, picked by the default backend:
 
 * GPU (Triton) and the interpreter: grid (batch, head, value block) with whole-sequence
