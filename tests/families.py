@@ -270,6 +270,12 @@ CASES: dict[str, Spec] = {
     # Qwen3-VL: the Qwen ViT with learned positions and DeepStack taps into the first text blocks, Qwen3 text
     "qwen3_vl": Spec(qwen3_vl_cases.config, make=qwen_vl_cases.make_qwen_checkpoint, seed=5,
                      images=qwen_vl_cases.qwen_images, reference=QwenVLReference),
+    # Qwen3.5: that tower without DeepStack, the hybrid Qwen3.5 text model (DeltaNet values captured too); seed 3 as
+    # the qwen3_5_text cases (on seed 5 torch's own float32 DeltaNet output sits at the 1e-5 bound, jstd 3x closer
+    # to float64)
+    "qwen3_5": Spec(qwen3_vl_cases.qwen3_5_config, make=qwen3_vl_cases.make_qwen3_5_checkpoint, seed=3,
+                    images=qwen_vl_cases.qwen_images,
+                    reference=lambda folder, dtype: QwenVLReference(folder, dtype, qwen3_5_cases.PLAN)),
 }
 MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "qwen3_5_text-released", "clip", "siglip",
         "llava", "idefics3", "qwen2_5_vl")

@@ -49,16 +49,19 @@ def make_checkpoint(config, folder, seed: int = 0, branch_scale: float = 0.3) ->
     off its float32 ones).
     Returns the folder."""
 
-    def adjust(model):
-        for name, p in model.named_parameters():
-            if name.endswith("weight") and p.ndim == 1 and any(n in name for n in ZERO_CENTRED):
-                p.sub_(1.0)
-        for layer in model.model.layers:
-            mixer = layer.linear_attn.out_proj if hasattr(layer, "linear_attn") else layer.self_attn.o_proj
-            for w in (mixer.weight, layer.mlp.down_proj.weight):
-                w.mul_(branch_scale)
+    return make_random_checkpoint(config, folder, seed=seed, adjust=lambda model: adjust(model.model, branch_scale))
 
-    return make_random_checkpoint(config, folder, seed=seed, adjust=adjust)
+
+def adjust(text, branch_scale: float = 0.3) -> None:
+    """``make_checkpoint``'s changes, in place, on ``text``: the text model (``embed_tokens``, ``layers``,
+    ``norm``; a wrapper's ``model.language_model``)."""
+    for name, p in text.named_parameters():
+        if name.endswith("weight") and p.ndim == 1 and any(n in "model." + name for n in ZERO_CENTRED):
+            p.sub_(1.0)
+    for layer in text.layers:
+        mixer = layer.linear_attn.out_proj if hasattr(layer, "linear_attn") else layer.self_attn.o_proj
+        for w in (mixer.weight, layer.mlp.down_proj.weight):
+            w.mul_(branch_scale)
 
 
 # site -> entry, or {layer type: entry}: the mixers are different modules on the two kinds

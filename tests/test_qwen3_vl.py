@@ -104,8 +104,7 @@ def test_qwen3_5_tower_alone(tmp_path):
     import qwen3_vl_cases
     from reference.checkpoints import randomize
 
-    vision = {k: v for k, v in qwen3_vl_cases.VISION.items() if k != "deepstack_visual_indexes"}
-    config = Qwen3_5VisionConfig(**vision)
+    config = Qwen3_5VisionConfig(**qwen3_vl_cases.QWEN3_5_VISION)
     torch.manual_seed(0)
     ref = Qwen3_5VisionModel(config)
     randomize(ref, 0)

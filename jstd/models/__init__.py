@@ -11,12 +11,12 @@ from jstd.vision.idefics3 import Idefics3, SmolVLM
 from jstd.vision.llava import Llava, VipLlava
 from jstd.vision.llava_next import LlavaNext
 from jstd.vision.qwen2_vl import HyperCLOVAXVisionV2, Qwen2VL, QwenVisionTower
-from jstd.vision.qwen3_vl import Qwen3VisionTower, Qwen3VL
+from jstd.vision.qwen3_vl import Qwen3_5VL, Qwen3VisionTower, Qwen3VL
 from jstd.vision.towers import CLIPVision, SiglipVision
 
 FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwen3_5Text, CLIPVision, SiglipVision, Llava,
                            VipLlava, DeepseekVL, LlavaNext, Idefics3, SmolVLM, QwenVisionTower, Qwen2VL,
-                           HyperCLOVAXVisionV2, Qwen3VLText, Qwen3VL, Qwen3VisionTower)
+                           HyperCLOVAXVisionV2, Qwen3VLText, Qwen3VL, Qwen3VisionTower, Qwen3_5VL)
             for t in f.model_types}
 
 # model_types jstd knowingly does not serve, with the reason the loader gives
@@ -25,8 +25,8 @@ REFUSED = {
        "checkpoints (model_type qwen3_vl) are supported"
     for t in ("qwen3_vl_moe", "qwen3_vl_moe_text")
 } | {
-    t: f"{t} is Qwen3.5's mixture-of-experts line, which jstd does not serve (no MoE blocks); the dense Qwen3.5 text "
-       "model (model_type qwen3_5_text) is supported"
+    t: f"{t} is Qwen3.5's mixture-of-experts line, which jstd does not serve (no MoE blocks); the dense Qwen3.5 "
+       "checkpoints (model_type qwen3_5, and its text model qwen3_5_text) are supported"
     for t in ("qwen3_5_moe", "qwen3_5_moe_text")
 }
 

@@ -23,7 +23,8 @@
   it resuming at ``start + max(rows, columns)``; transformers' Qwen3-VL ``get_rope_index`` gives the same ids on
   images (its timestamps concern videos, which jstd refuses).
 
-The MoE line (``qwen3_vl_moe``) is refused at load (``jstd.models.REFUSED``).
+Qwen3.5 (``qwen3_5``, ``Qwen3_5VL``) is this wrapper with the tower's DeepStack off and the Qwen3.5 text model. The
+MoE lines (``qwen3_vl_moe``, ``qwen3_5_moe``) are refused at load (``jstd.models.REFUSED``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,11 @@ class Qwen3ViTFamily(QwenViTFamily):
 
     @classmethod
     def deepstack(cls, hf) -> tuple[int, ...]:
-        """The DeepStack blocks in the config's order (merger ``i`` reads block ``deepstack[i]``); () on Qwen3.5."""
+        """The DeepStack blocks in the config's order (merger ``i`` reads block ``deepstack[i]``); () on Qwen3.5,
+        whatever its config lists (hub configs carry an empty ``deepstack_visual_indexes``; transformers' Qwen3.5
+        tower has no DeepStack mergers)."""
+        if hf.model_type == "qwen3_5_vision":
+            return ()
         blocks = tuple(int(i) for i in (getattr(hf, "deepstack_visual_indexes", None) or ()))
         bad = [i for i in blocks if not 0 <= i < hf.depth]
         if bad:
@@ -154,3 +159,13 @@ class Qwen3VL(Qwen2VL):
     @classmethod
     def tower_for(cls, hf):
         return Qwen3ViTFamily
+
+
+class Qwen3_5VL(Qwen3VL):
+    """Qwen3.5 (``Qwen3_5ForConditionalGeneration``): Qwen3-VL's wrapper with the Qwen3.5 tower (no DeepStack: no
+    ``layers.deepstack_output``) and the ``qwen3_5_text`` model (gated DeltaNet and gated attention blocks under
+    interleaved M-RoPE, ``models.qwen3_5``); positions and checkpoints' prefixes as Qwen3-VL's. The hub's
+    multi-token-prediction heads (``mtp.*``) are ignored."""
+
+    family = "qwen3_5"
+    model_types = ("qwen3_5",)

@@ -106,8 +106,11 @@ class TorchReference:
         return self.model.config.num_hidden_layers
 
     def sites(self):
-        linear = LINEAR_INTERIOR if hasattr(self.modeling, "torch_chunk_gated_delta_rule") else ()
-        return tuple(self.plan) + ATTENTION_INTERIOR + linear + ("logits", "next_token_probs")
+        return tuple(self.plan) + ATTENTION_INTERIOR + self.linear_sites() + ("logits", "next_token_probs")
+
+    def linear_sites(self) -> tuple[str, ...]:
+        """The gated DeltaNet interior where the text model has one (``_linear_attention`` captures it)."""
+        return LINEAR_INTERIOR if hasattr(self.modeling, "torch_chunk_gated_delta_rule") else ()
 
     def _to_jstd(self, site, t):
         """A captured tensor in jstd's layout (premix split into heads)."""

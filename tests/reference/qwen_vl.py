@@ -1,4 +1,5 @@
-"""The torch reference for the Qwen-ViT vision-language wrappers (Qwen2-VL, Qwen2.5-VL, HyperCLOVA X Vision V2):
+"""The torch reference for the Qwen-ViT vision-language wrappers (Qwen2-VL, Qwen2.5-VL, HyperCLOVA X Vision V2,
+Qwen3-VL, Qwen3.5):
 every encoder, merger, projector, merge and text value captured, and edits applied, through hooks.
 
 ``QwenVLReference(folder, dtype)`` loads the wrapper (``AutoModelForImageTextToText``, eager attention) and
@@ -75,7 +76,8 @@ def vision_plan(tower: str, family: str) -> dict:
     linear_fc1/act_fn/linear_fc2)."""
     block = tower + ".blocks.{i}"
     act, down = {"qwen2_vl": ("mlp.act", "mlp.fc2"),
-                 "qwen3_vl": ("mlp.act_fn", "mlp.linear_fc2")}.get(family, ("mlp.act_fn", "mlp.down_proj"))
+                 "qwen3_vl": ("mlp.act_fn", "mlp.linear_fc2"),
+                 "qwen3_5": ("mlp.act_fn", "mlp.linear_fc2")}.get(family, ("mlp.act_fn", "mlp.down_proj"))
     return {
         "vision.patch_embeddings": (tower + ".patch_embed", "out"),
         "vision.layers.layer_input": (block, "in"),
@@ -94,10 +96,11 @@ def vision_plan(tower: str, family: str) -> dict:
 
 
 class QwenVLReference(WrapperReference):
-    """A Qwen2-VL, Qwen2.5-VL or HyperCLOVA X Vision V2 wrapper loaded from ``folder`` with eager attention, in
-    ``dtype``."""
+    """A Qwen2-VL, Qwen2.5-VL, HyperCLOVA X Vision V2, Qwen3-VL or Qwen3.5 wrapper loaded from ``folder`` with eager
+    attention, in ``dtype``; ``text_plan`` replaces the text model's plan (Qwen3.5: ``qwen3_5_cases.PLAN``, by layer
+    type, whose DeltaNet interior comes from the harness's ``_linear_attention``)."""
 
-    def __init__(self, folder, dtype=torch.float32):
+    def __init__(self, folder, dtype=torch.float32, text_plan=None):
         self.model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager",
                                                                  dtype=dtype).eval()
         config = self.model.config
@@ -107,9 +110,11 @@ class QwenVLReference(WrapperReference):
         text = "model.language_model"
         projector = "model.projector" if self.hyperclovax else tower + ".merger"
         self.paths = dict(tower=tower, text=text, projector=projector)
-        text_plan = HYPERCLOVAX_TEXT_PLAN if self.hyperclovax else LLAMA_PLAN
-        self.plan = {site: (path.replace("model.", text + ".", 1) if path.startswith("model.") else path, *rest)
-                     for site, (path, *rest) in text_plan.items()}
+        text_plan = text_plan or (HYPERCLOVAX_TEXT_PLAN if self.hyperclovax else LLAMA_PLAN)
+        under = lambda path, *rest: (path.replace("model.", text + ".", 1) if path.startswith("model.") else path,
+                                     *rest)
+        self.plan = {site: {kind: under(*e) for kind, e in entry.items()} if isinstance(entry, dict) else under(*entry)
+                     for site, entry in text_plan.items()}
         self.plan.update(vision_plan(tower, self.family))
         # Qwen3-VL's DeepStack taps: tap k is the k-th listed block in block order, through the merger the config
         # lists that block with
@@ -130,12 +135,14 @@ class QwenVLReference(WrapperReference):
         self.vision_heads = config.vision_config.num_heads
 
     def _blocks(self, entry):
+        if isinstance(entry, dict):  # by the text model's layer type (Qwen3.5)
+            return [(i, entry[t]) for i, t in enumerate(self.text_config.layer_types) if t in entry]
         if "deepstack_merger_list" in entry[0]:
             return [(k, (entry[0].format(i=m), *entry[1:])) for k, m in enumerate(self.deepstack)]
         return super()._blocks(entry)
 
     def sites(self):
-        return (tuple(self.plan) + ATTENTION_INTERIOR + QWEN_VISION_INTERIOR[:3]
+        return (tuple(self.plan) + ATTENTION_INTERIOR + self.linear_sites() + QWEN_VISION_INTERIOR[:3]
                 + (() if self.hyperclovax else ("positions",))
                 + ("vision.tower_output", "vision.image_features", "vision.image_token_mask", "logits",
                    "next_token_probs"))
@@ -284,7 +291,7 @@ class QwenVLReference(WrapperReference):
         if hasattr(self.model.model, "rope_deltas"):
             self.model.model.rope_deltas = None  # no state from an earlier call
         with torch.no_grad(), self._hooks(tap), self._text_attention(tap), self._vision_attention(tap), \
-                self._positions(tap), self._merge(tap, arrays["input_ids"]):
+                self._positions(tap), self._merge(tap, arrays["input_ids"]), self._linear_attention(tap, reads):
             logits = self.model(**arrays).logits
         out = self._outputs(tap, got, logits, reads, arrays["input_ids"])
         if "positions" in out:
