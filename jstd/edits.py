@@ -120,7 +120,7 @@ def check_layer(model, site: str, layer, who: str) -> Int[Array, ""] | int:
                         f"vmap over an array of layers for a sweep")
     some = blocks != tuple(range(L))
     host = spec.host[len(spec.stack) + 1:]
-    fix = (f"pass a block with {host}: {_ranges(blocks)} (negatives count from the end: -{L}..-1)" if some
+    fix = (f"pass a block with {host}: {block_ranges(blocks)} (negatives count from the end: -{L}..-1)" if some
            else f"pass a block index in {_span(L)}")
     if isinstance(layer, jax.core.Tracer):
         bad = (layer < -L) | (layer >= L)
@@ -137,7 +137,8 @@ def check_layer(model, site: str, layer, who: str) -> Int[Array, ""] | int:
     return layer
 
 
-def _ranges(blocks) -> str:
+def block_ranges(blocks) -> str:
+    """Block indices as a message shows them: ``"1..3"`` when consecutive, else the list."""
     return f"{blocks[0]}..{blocks[-1]}" if blocks and list(blocks) == list(range(blocks[0], blocks[-1] + 1)) else str(list(blocks))
 
 

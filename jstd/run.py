@@ -14,7 +14,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.context import Context, check_context
-from jstd.edits import as_edits, check_layer, check_left_padded
+from jstd.edits import as_edits, block_ranges, check_layer, check_left_padded
 from jstd.inputs import Inputs, as_inputs, token_array, with_layout
 from jstd.models.base import Model
 from jstd.sites import SITES, SiteError, near, parse
@@ -92,11 +92,7 @@ def _check_block(model: Model, site: str, index: int, what: str) -> None:
     blocks = model.blocks_for(site)
     L = model.depth(SITES[site].stack)
     if not -L <= index < L or index % L not in blocks:
-        raise SiteError(f"{what}: block {index} does not exist or has no {SITES[site].host}; blocks with it: {_ranges(blocks)}")
-
-
-def _ranges(blocks):
-    return f"{blocks[0]}..{blocks[-1]}" if blocks and list(blocks) == list(range(blocks[0], blocks[-1] + 1)) else str(list(blocks))
+        raise SiteError(f"{what}: block {index} does not exist or has no {SITES[site].host}; blocks with it: {block_ranges(blocks)}")
 
 
 def check_tokens(tokens, vocab_size: int):
