@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -275,6 +276,11 @@ def demo(path=INDUCTION, prompt=None, figures="jstd-demo-figures", period: int =
     print(f"\ndone in {time.time() - t0:.1f} s")
 
 
+# subcommands that live with their capability: name -> module with ``add_arguments`` and ``command``
+COMMANDS: dict[str, str] = {
+}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jstd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -287,7 +293,14 @@ def main(argv=None) -> int:
                    help="folder for the PNG figures (default: ./jstd-demo-figures; '' for none)")
     i = sub.add_parser("inspect", help="print a model's parameters and standard sites with layouts and shapes")
     i.add_argument("path", nargs="?", default=str(ASSET))
+    commands = {}
+    for name in COMMANDS:  # each module: add_arguments(subparsers) -> its parser; command(args) -> exit status
+        module = importlib.import_module(COMMANDS[name])
+        module.add_arguments(sub)
+        commands[name] = module.command
     args = parser.parse_args(argv)
+    if args.command in commands:
+        return commands[args.command](args)
     if args.command == "demo":
         demo(args.model, args.prompt, args.figures)
     else:
