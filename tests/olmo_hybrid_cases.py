@@ -30,6 +30,11 @@ CASES = {
 }
 
 
+# the tail layout at its smallest, for the tests that compile many programs (each DeltaNet block compiles its kernel):
+# LA L, one whole period scanned and a tail of one DeltaNet block
+SHORT_TAIL = dict(num_hidden_layers=3, layer_types=[LINEAR, FULL, LINEAR])
+
+
 def config(case: str, **overrides) -> OlmoHybridConfig:
     return OlmoHybridConfig(**copy.deepcopy({**BASE, **CASES[case], **overrides}))
 

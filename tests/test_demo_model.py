@@ -103,5 +103,6 @@ def test_demo_runs_and_writes_figures(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "top-1 accuracy on the second copy" in out and "<- induction head" in out and "(the same head)" in out
     assert "jstd.patch_sweep" in out and "steering" in out
+    assert "top next tokens" in out and "max |diff| 0.00e+00" in out  # (the one run of `jstd demo` in the suite)
     if "figures: skipped" not in out:
         assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["attention.png", "logit_lens.png", "patching.png"]

@@ -17,12 +17,6 @@ def test_every_site_has_a_layout_and_meaning():
         assert s.layout and s.meaning.endswith((".", ")")), s.name
 
 
-def test_demo(capsys):
-    cli.main(["demo", "--figures", ""])  # no figures here (tests/test_demo_model.py checks them)
-    out = capsys.readouterr().out
-    assert "top next tokens" in out and "max |diff| 0.00e+00" in out and "<- induction head" in out
-
-
 def test_inspect(capsys):
     cli.main(["inspect"])
     out = capsys.readouterr().out
