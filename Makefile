@@ -25,8 +25,12 @@ $(VENV)/.demo: $(VENV)/.core
 demo: $(VENV)/.demo
 	$(VENV)/bin/jstd demo
 
+# the suite is mostly XLA compiles, one core each: one worker per core (of 2), each test file on one worker so
+# its module fixtures are built once; TEST_WORKERS=0 runs it in this process
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.test
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 docs: $(VENV)/.core
 	$(PY) -c 'from jstd.sites import values_markdown; print(values_markdown(), end="")' > docs/values.md

@@ -128,3 +128,15 @@ def compile_seconds(family, hf_config, batch: int, seq: int) -> float:
     t = time.perf_counter()
     jax.jit(jstd.run).lower(skeleton, tokens).compile()
     return time.perf_counter() - t
+
+
+def run_json(code: str) -> dict:
+    """Run ``code`` in a fresh python process; return the JSON object its last output line prints."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"benchmark process failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -25,13 +25,14 @@ unavailable) minus its resident set after the imports. The page cache is warm
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import common
 
 SMOLLM_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048,
@@ -150,10 +151,7 @@ def measure(code: str, folder: Path) -> dict:
     """One fresh process running ``code`` on ``folder``: its JSON line (``load``, ``added``, ``first``)."""
     script = code.replace("{folder!r}", repr(str(folder))).replace("{n}", str(TOKENS[0] * TOKENS[1])).replace(
         "{shape}", repr(TOKENS))
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"benchmark process failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return common.run_json(script)
 
 
 def main():

@@ -13,13 +13,18 @@ from jstd.interventions import (
 from jstd.interventions.plots import logit_lens_table, plot_attention, plot_logit_lens, plot_patching
 from jstd.edits import Add, Apply, Edit, Scale, Set, Zero
 from jstd.io.load import ConfigWarning, load
+from jstd.io.convert import convert, export
 from jstd.interventions.reading import token_strings
 from jstd.io.safetensors import CheckpointError
 from jstd.models.base import logical_axes
+from jstd.sharding import shard  # also makes jstd.sharding (DP, FSDP, TP, FSDP_TP, mesh, ...) an attribute
 from jstd.inputs import Inputs
 from jstd.context import Context
 from jstd.run import Outputs, project_on_vocab, run
+from jstd.generate import Generation, Sampling, generate, generation_config
 from jstd.sites import SITES, Site, SiteError
+from jstd.collect import collect
+from jstd.activations import ActivationDataset
 
 
 def load_processor(path_or_repo_id):
@@ -105,8 +110,11 @@ def _without_videos(folder):
 __all__ = [
     "ConfigWarning", "token_strings",
     "load", "load_processor", "run", "Inputs", "Outputs", "project_on_vocab", "Context",
+    "convert", "export",
+    "generate", "Generation", "Sampling", "generation_config",
+    "collect", "ActivationDataset",
     "Edit", "Set", "Add", "Scale", "Zero", "Apply",
-    "SITES", "Site", "SiteError", "CheckpointError", "logical_axes",
+    "SITES", "Site", "SiteError", "CheckpointError", "logical_axes", "shard",
     # interventions
     "zero_ablation", "mean_ablation", "resample_ablation", "site_mean",
     "patch", "patch_sweep", "logit_difference", "target_probability", "kl_divergence",

@@ -278,6 +278,9 @@ def demo(path=INDUCTION, prompt=None, figures="jstd-demo-figures", period: int =
 
 # subcommands that live with their capability: name -> module with ``add_arguments`` and ``command``
 COMMANDS: dict[str, str] = {
+    "convert": "jstd.io.convert", "export": "jstd.io.convert",  # one module, both parsers (added once)
+    "generate": "jstd.generate",
+    "collect": "jstd.collect",
 }
 
 

@@ -109,7 +109,10 @@ def check_tokens(tokens, vocab_size: int):
             bad = t[(t < 0) | (t >= vocab_size)]
             raise ValueError(f"token id {int(bad.flat[0])} is out of range: {msg}")
         return tokens  # in range, so jit's cast of int64 ids to int32 keeps every id
-    return eqx.error_if(tokens, (tokens < 0) | (tokens >= vocab_size), msg)
+    # the check raises through a scalar: eqx.error_if on the tokens themselves returns them from a host callback's
+    # branch, which makes XLA gather row-sharded tokens onto every device (an involuntary full rematerialization)
+    zero = eqx.error_if(jnp.zeros((), tokens.dtype), ((tokens < 0) | (tokens >= vocab_size)).any(), msg)
+    return tokens + zero
 
 
 def run(

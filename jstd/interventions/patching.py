@@ -127,7 +127,7 @@ def patch_sweep(
     model, clean: Int[Array, "batch seq"], corrupt: Int[Array, "batch seq"], site: str, metric: Metric, *,
     layers: Sequence[int] | None = None, positions: Sequence[int] | None = None, heads: Sequence[int] | bool | None = None,
     attention_mask: Int[Array, "batch seq"] | None = None, memory_budget: int = DEFAULT_BUDGET,
-    chunk_size: int | None = None, progress: bool = True,
+    chunk_size: int | None = None, progress: bool = True, mesh=None, mesh_axis: str = "data",
 ) -> Float[Array, "*grid"]:
     """``metric`` of the corrupted run with one entry of ``site`` patched from the clean run, for every entry.
 
@@ -146,8 +146,14 @@ def patch_sweep(
     compiled ``vmap`` each, under a tqdm progress bar when tqdm is installed
     and ``progress``. A resumed sweep's chunks are packed rows, each holding
     up to two entries.
+
+    ``mesh`` (a ``jax.sharding.Mesh``): each chunk's entries are split over
+    its ``mesh_axis`` axis, each device running its share (the chunk size
+    rounded up to a multiple of the axis' size); the model may be sharded on
+    the same mesh (``jstd.shard``). The grid is the same as without a mesh.
     """
     site, _ = _split(site, None)
+    spread = Spread(mesh, mesh_axis)
     clean, corrupt = pair_inputs(clean, corrupt, attention_mask)
     who = f"patch_sweep at {site}"
     corrupt = checked_metric(metric, corrupt, model, who)
@@ -186,15 +192,15 @@ def patch_sweep(
     if resumable(site) and corrupt.images is None:
         out = resumed_sweep(model, clean_values, corrupt.tokens, corrupt.attention_mask, site, metric, axes[0], axes[1],
                             axes[2] if split_heads else [0], split_heads, memory_budget, chunk_size,
-                            lambda blocks: _progress(blocks, progress, f"patching {site}"))
+                            lambda blocks: _progress(blocks, progress, f"patching {site}"), spread)
         return jnp.asarray(out.reshape(shape + out.shape[2:]))
 
     what = (per_block, pos_axis is not None, split_heads)
-    entries_of = lambda g, start, size: SweepGrid(*(jnp.asarray(a[start:start + size]) for a in g))
+    entries_of = lambda g, start, size: SweepGrid(*(spread.place(a[start:start + size], size) for a in g))
     lower = lambda size: _sweep_chunk.lower(model, corrupt, clean_values, metric,
                                             entries_of((grid_l, grid_p, grid_h), 0, size), site, what)
     guess = chunk_size_for(model, *corrupt.tokens.shape, n, memory_budget)
-    size, chunk = fit(lower, n, guess, memory_budget, chunk_size)
+    size, chunk = spread.fit(lower, n, guess, memory_budget, chunk_size)
     chunks = math.ceil(n / size)
     pad = chunks * size - n
     padded = [np.concatenate([g, np.repeat(g[-1:], pad)]) for g in (grid_l, grid_p, grid_h)]
@@ -205,6 +211,39 @@ def patch_sweep(
             chunk(model, corrupt, clean_values, metric, entries_of(padded, i * size, size), site, what)))
     out = jnp.concatenate(results)[:n]
     return out.reshape(shape + out.shape[1:])
+
+
+class Spread:
+    """How a sweep's chunks are placed: on the default device (``mesh`` None), or split over ``mesh``'s ``axis``."""
+
+    def __init__(self, mesh=None, axis: str = "data"):
+        self.mesh, self.axis, self.size = mesh, axis, 1
+        if mesh is not None:
+            if axis not in mesh.axis_names:
+                raise ValueError(f"mesh has no axis {axis!r} (axes: {mesh.axis_names}); pass mesh_axis= one of them")
+            self.size = dict(zip(mesh.axis_names, mesh.devices.shape))[axis]
+
+    def place(self, entries: np.ndarray, size: int):
+        """``entries`` (a chunk, at most ``size`` long: the grid's end) padded to ``size`` with its last entry, then
+        placed."""
+        from jstd.sharding import spread
+
+        entries = spread(np.asarray(entries), size - len(entries))
+        if self.mesh is None:
+            return jnp.asarray(entries)
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return jax.device_put(entries, NamedSharding(self.mesh, PartitionSpec(self.axis)))
+
+    def rounded(self, size: int) -> int:
+        """``size`` rounded up to a multiple of the axis' size."""
+        return size + -size % self.size
+
+    def fit(self, lower, total: int, guess: int, budget: int, size: int | None) -> tuple:
+        """``chunking.fit`` with every chunk size rounded up to a multiple of the axis' size (the chunk's working
+        memory is measured at the rounded size, so it may pass the budget by less than one entry per device)."""
+        size, chunk = fit(lambda size: lower(self.rounded(size)), total, guess, budget, size)
+        return self.rounded(size), chunk
 
 
 def _entries(given, size: int, what: str, axis: str) -> list[int]:

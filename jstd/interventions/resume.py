@@ -99,14 +99,15 @@ def bytes_per_row(model, batch: int, length: int, keys: int) -> int:
 
 
 def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metric, layers, positions, heads,
-                  split_heads: bool, memory_budget: int, chunk_size: int | None, progress) -> np.ndarray:
+                  split_heads: bool, memory_budget: int, chunk_size: int | None, progress, spread=None) -> np.ndarray:
     """The sweep of ``patch_sweep`` through resumed runs: ``[layers, positions x heads, *metric]``.
 
     ``clean_values``: the clean run's value of ``site`` (stacked over blocks);
     ``heads``: the heads patched one at a time (``[0]`` when ``split_heads`` is
     False: all heads together); ``chunk_size``: rows per chunk (default: as
     many as fit ``memory_budget``, ``chunking.fit`` from the guess of
-    ``bytes_per_row``); ``progress`` wraps the iterable of blocks.
+    ``bytes_per_row``); ``progress`` wraps the iterable of blocks; ``spread``
+    (``patching.Spread``) places each chunk's rows, split over a mesh axis.
     """
     seq = corrupt.shape[1]
     corrupt_out = read(model, corrupt, Context.sites_for(model) + (_stream_site(site), "final_norm_output"), (),
@@ -118,11 +119,12 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     rows = pack(entry_p, entry_h, seq, pair=not model.layers_with("linear_attn"))
     n_rows, length = rows.positions.shape
     keys = length + (corrupt_out[Context.sites_for(model)[0]].shape[3] if model.layers_with("self_attn") else 0)
-    chunk_rows = lambda rows, start, size: Rows(*(jnp.asarray(a[start:start + size]) for a in rows))
+    place = (lambda a, size: jnp.asarray(a)) if spread is None else spread.place
+    chunk_rows = lambda rows, start, size: Rows(*(place(a[start:start + size], size) for a in rows))
     lower = lambda size: _chunk.lower(model, corrupt, attention_mask, corrupt_out, clean_values, metric, chunk_rows(rows, 0, size),
                                       jnp.asarray(layers[0], jnp.int32), site, split_heads)
     guess = int(memory_budget // bytes_per_row(model, corrupt.shape[0], length, keys))
-    size, chunk = fit(lower, n_rows, guess, memory_budget, chunk_size)
+    size, chunk = (fit if spread is None else spread.fit)(lower, n_rows, guess, memory_budget, chunk_size)
     chunks = math.ceil(n_rows / size)
     pad = chunks * size - n_rows
     padded = Rows(*(np.concatenate([a, np.repeat(a[-1:], pad, 0)]) for a in rows))

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jstd.io.convert import hf_source, is_converted, load_converted, with_source
 from jstd.io.hub import resolve
 from jstd.io.safetensors import CheckpointError, SafetensorsFiles
 
@@ -139,7 +140,7 @@ def warn_unhandled(hf, family, folder: Path) -> None:
                       ConfigWarning, stacklevel=3)
 
 
-def load(path_or_repo_id, *, dtype=None):
+def load(path_or_repo_id, *, dtype=None, mesh=None, rules=None):
     """Load a checkpoint (local folder or hub repo id) as a jstd model.
 
     ``dtype``: the dtype of every parameter, one of ``supported_dtypes()``:
@@ -162,14 +163,42 @@ def load(path_or_repo_id, *, dtype=None):
     and CheckpointError naming the file (and key) for a corrupted, truncated
     or missing file, a git-lfs pointer, GGUF or PyTorch-pickle weights, and a
     missing, extra, misshapen or non-floating tensor.
+
+    ``mesh`` (a ``jax.sharding.Mesh``, e.g. ``jstd.sharding.mesh()``): each
+    tensor, once read, goes straight to its shards on the mesh as ``rules``
+    (a flax rule list: ``jstd.sharding.FSDP`` by default, ``DP``, ``TP``,
+    ``FSDP_TP``) map its logical axes (``jstd.sharding``), and its host buffer
+    is freed: host memory peaks at the largest tensor, never the model. The
+    model equals ``jstd.shard(jstd.load(path), mesh, rules)``. ValueError for
+    ``rules`` without ``mesh``.
     """
     folder = resolve(path_or_repo_id)
+    if is_converted(folder):  # a stacked jstd checkpoint (jstd convert): read as stored, no name map, streamed
+        return load_converted(folder, dtype=dtype, mesh=mesh, rules=rules)
     hf = hf_config(folder)
     family = family_for(hf.model_type)
     dtype = param_dtype(dtype, hf)
     warn_unhandled(hf, family, folder)
     files = SafetensorsFiles(folder)
     skeleton = family.skeleton(hf, dtype)
+    entries = mapped_entries(folder, hf, family, skeleton, files)
+    scratch = _Scratch()
+    from jstd.sharding import placer
+
+    place = placer(skeleton, mesh, rules)
+    leaves = [_read(files, e, _get(skeleton, e.path), scratch, place) for e in entries]
+    model = _replace(skeleton, [e.path for e in entries], leaves)
+    unfilled = [p for p, leaf in _paths(model) if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if unfilled:
+        raise RuntimeError(f"{family.family} name map leaves parameters unfilled: {unfilled}")
+    return with_source(model, hf_source(folder, files, entries))  # what jstd.export writes back
+
+
+
+def mapped_entries(folder: Path, hf, family, skeleton, files: SafetensorsFiles) -> list:
+    """The family's name map over ``skeleton``, keys spelled as ``files`` stores them (``stored_names``); raises
+    CheckpointError naming a tensor the map expects that ``files`` lacks, or one it has that no entry reads and the
+    family does not knowingly ignore."""
     stored = stored_names(family.stored_prefixes(hf), files.keys())
     entries = [dataclasses.replace(e, key=stored(e.key) if isinstance(e.key, str) else tuple(map(stored, e.key)))
                for e in family.name_map(hf, skeleton) if _get(skeleton, e.path) is not None]
@@ -189,13 +218,7 @@ def load(path_or_repo_id, *, dtype=None):
             + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
             + f": the {family.family} family has no parameter for it (is the config's model_type right?)"
         )
-    scratch = _Scratch()
-    leaves = [_read(files, e, _get(skeleton, e.path), scratch) for e in entries]
-    model = _replace(skeleton, [e.path for e in entries], leaves)
-    unfilled = [p for p, leaf in _paths(model) if isinstance(leaf, jax.ShapeDtypeStruct)]
-    if unfilled:
-        raise RuntimeError(f"{family.family} name map leaves parameters unfilled: {unfilled}")
-    return model
+    return entries
 
 
 def _get(tree, path: str):
@@ -225,15 +248,39 @@ def _matches(key: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(key, pattern)
 
 
-def _read(files: SafetensorsFiles, entry, leaf: jax.ShapeDtypeStruct, scratch: "_Scratch"):
-    """One parameter, all its blocks, in one page-aligned buffer that the CPU device adopts without a copy."""
+def _read(files: SafetensorsFiles, entry, leaf: jax.ShapeDtypeStruct, scratch: "_Scratch", place):
+    """One parameter, all its blocks, in one page-aligned buffer, placed by ``place(path, buffer)``
+    (``jstd.sharding.placer``: the CPU device adopts it without a copy; a mesh gets its shards)."""
+    if hasattr(place, "shards"):  # on a mesh: each device's part, block by block; the host holds one block's tensor
+        return _read_parts(files, entry, leaf, scratch, place)
     buf = _buffer(leaf.shape, np.dtype(leaf.dtype))
     if entry.stacked:
         for row, i in enumerate(entry.blocks):
             _fill(files, entry, [k.format(i=i) for k in entry.keys], buf[row], scratch)
     else:
         _fill(files, entry, list(entry.keys), buf, scratch)
-    return jax.device_put(buf)
+    return place(entry.path, buf)
+
+
+def _read_parts(files: SafetensorsFiles, entry, leaf: jax.ShapeDtypeStruct, scratch: "_Scratch", place):
+    """One parameter placed part by part (``place.shards``): each device's part read block by block through one
+    block-sized buffer, so the host never holds more than one block's tensor and one device's part (a block is
+    read again for each distinct part: from the page cache after the first)."""
+    dtype = np.dtype(leaf.dtype)
+    block = np.empty(leaf.shape[1:] if entry.stacked else leaf.shape, dtype)
+    if not entry.stacked:  # one tensor: read once, each part a view of it
+        _fill(files, entry, list(entry.keys), block, scratch)
+        return place.shards(entry.path, leaf.shape, lambda index: block[index])
+
+    def part(index: tuple) -> np.ndarray:
+        rows = entry.blocks[index[0]]
+        out = np.empty((len(rows),) + block[index[1:]].shape, dtype)
+        for row, i in enumerate(rows):
+            _fill(files, entry, [k.format(i=i) for k in entry.keys], block, scratch)
+            out[row] = block[index[1:]]
+        return out
+
+    return place.shards(entry.path, leaf.shape, part)
 
 
 def _buffer(shape, dtype: np.dtype) -> np.ndarray:

@@ -68,6 +68,10 @@ class Model(eqx.Module):
 
     config: ModelConfig = eqx.field(static=True)
     family: str = eqx.field(static=True)
+    # the HuggingFace layout the model was loaded from (``jstd.io.convert.Source``: config.json and the stored
+    # tensors' names and shapes), for ``jstd.export``; metadata that compares equal to any other (and to None), so
+    # it never splits a tree structure; None on a model built without a checkpoint
+    source: object = eqx.field(static=True, default=None, kw_only=True)
 
     model_sites: ClassVar[frozenset[str]] = frozenset()
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jstd.io.namemap import Entry
 from jstd.models.base import stacked
+from jstd.sharding import constrain_rows
 
 
 def period_of(kinds: Sequence[str]) -> int:
@@ -155,7 +156,7 @@ class Stack(eqx.Module):
 
                 def step(h, q=q, block=block, past=past, host=host):
                     s = BlockScope(tap, prefix, j * p + q, group_of, lambda group, q=q: index_in(group, j, q))
-                    h = block(h, args[host], s, past)
+                    h = block(constrain_rows(h), args[host], s, past)  # a no-op without jax.set_mesh
                     return (h if after is None else after(h, j * p + q)), s.records
 
                 h, block_records = step(h) if first is None else _from_block(first, j * p + q, step, h)

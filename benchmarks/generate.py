@@ -1,0 +1,139 @@
+"""Generation speed: jstd.generate against transformers' generate, the memory-bandwidth bound, flatness, sweeps.
+
+The model: the Foundation benchmark's Llama (8 blocks, 512 wide, 8 heads over 4
+kv heads, intermediate 1408, vocab 8192), float32, random weights; greedy
+decoding of ``--new`` tokens (default 128) after a ``--prompt``-token prompt
+(default 16), batch 1. Prints a markdown table (paste into docs/benchmarks.md):
+
+- tokens per second, jstd (one jitted ``generate``, compile excluded and
+  reported) and transformers' ``generate`` (sdpa, its KV cache) in the same
+  process, and whether their tokens agree;
+- the per-token time against the memory-bandwidth bound: the weights' bytes
+  read once per token at this machine's copy bandwidth (measured here: a
+  256 MiB array copy, bytes read plus bytes written over the time);
+- flatness: the best time of decode steps 1-32 and of the last 32 steps,
+  each step run alone (``jstd.generate.stream``'s jitted step, the same
+  forward over the same preallocated cache as ``generate``'s loop);
+- a sweep: 8 steering strengths in one vmapped ``generate`` against 8 calls.
+
+    python benchmarks/generate.py [--new 128] [--prompt 16] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import common
+from common import checkpoint, print_table
+from forward import llama_config
+
+
+def copy_bandwidth(mib: int = 256) -> float:
+    """Bytes per second of a device array copy (bytes read + bytes written over the time, best of 5)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    copy = jax.jit(lambda x: x + 0.0)  # one read, one write
+    copy(x).block_until_ready()
+    best = min(_timed(lambda: copy(x).block_until_ready()) for _ in range(5))
+    return 2 * x.nbytes / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sweep", type=int, default=8)
+    args = parser.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import jstd
+    from jstd.generate import stream
+
+    folder = checkpoint(llama_config(8), Path(tempfile.gettempdir()) / "jstd-bench-forward-8")
+    model = jstd.load(folder)
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, args.prompt))
+    new = args.new
+
+    # jstd: one jitted generate; the first call compiles
+    t0 = time.perf_counter()
+    gen = jstd.generate(model, tokens, max_new_tokens=new)
+    gen.tokens.block_until_ready()
+    first = time.perf_counter() - t0
+    t_jstd = common.timeit(lambda: jstd.generate(model, tokens, max_new_tokens=new).tokens.block_until_ready(),
+                           args.repeats, 1)
+
+    # transformers: generate with its cache, greedy, every token generated
+    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
+    ids = torch.as_tensor(tokens)
+
+    def torch_generate():
+        with torch.inference_mode():
+            return ref.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    want = torch_generate().numpy()
+    t_torch = common.timeit(torch_generate, args.repeats, 1)
+    agree = int((np.asarray(gen.tokens) == want).all(0)[args.prompt:].cumprod().sum())
+
+    # the bandwidth bound: every weight read once per token
+    weights = sum(x.nbytes for x in jax.tree.leaves(model) if hasattr(x, "nbytes"))
+    bandwidth = copy_bandwidth()
+    bound = weights / bandwidth
+    per_token = t_jstd / new
+
+    # flatness: each decode step alone
+    steps = []
+    it = stream(model, tokens, max_new_tokens=new)
+    next(it)  # the prefill (and the compile of both steps' functions on the first step)
+    t = time.perf_counter()
+    for _ in it:
+        now = time.perf_counter()
+        steps.append(now - t)
+        t = now
+    early, late = min(steps[1:33]), min(steps[-32:])  # the best of each: machine noise only adds time
+
+    # a sweep of steering strengths: one vmapped generate against one call per strength
+    v = jnp.asarray(np.random.default_rng(1).normal(size=model.config.hidden_size).astype(np.float32))
+    strengths = jnp.linspace(0.0, 4.0, args.sweep)
+    steer = lambda s: jstd.generate(model, tokens, [jstd.Add("layers.layer_output", s * v, layer=4)],
+                                    max_new_tokens=new)
+    swept = jax.jit(jax.vmap(steer))
+    swept(strengths).tokens.block_until_ready()
+    steer(strengths[0]).tokens.block_until_ready()
+    t_swept = common.timeit(lambda: swept(strengths).tokens.block_until_ready(), args.repeats, 1)
+    t_loop = common.timeit(lambda: [steer(s).tokens.block_until_ready() for s in strengths], args.repeats, 1)
+
+    print_table(f"## Generation ({jax.default_backend()}, batch 1, {args.prompt}-token prompt, {new} new tokens)", [
+        ("greedy decoding, tokens per second (jstd / transformers generate)", f"{t_torch / t_jstd:.2f}x",
+         f"jstd {new / t_jstd:,.1f} tok/s, transformers {new / t_torch:,.1f} tok/s; first call (compile) "
+         f"{first:.2f} s; tokens agree for the first {agree} of {new}"),
+        ("per-token time / memory-bandwidth bound", f"{per_token / bound:.2f}x",
+         f"{per_token * 1e3:.2f} ms per token; weights {weights / 2**20:.1f} MiB at a copy bandwidth of "
+         f"{bandwidth / 1e9:.1f} GB/s = {bound * 1e3:.2f} ms"),
+        ("per-token decode cost, last 32 / first 32 steps", f"{late / early:.2f}x",
+         f"{late * 1e3:.2f} ms vs {early * 1e3:.2f} ms (best of each 32; medians {statistics.median(steps[-32:]) * 1e3:.2f} "
+         f"vs {statistics.median(steps[1:33]) * 1e3:.2f} ms; steps run one at a time)"),
+        (f"{args.sweep} steering strengths: {args.sweep} calls / one vmapped call", f"{t_loop / t_swept:.2f}x",
+         f"{t_loop:.2f} s vs {t_swept:.2f} s"),
+    ])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""An activation dataset on disk: safetensors shards of ``[tokens, …]`` rows plus ``index.json``, and its reader.
+
+The format is plain enough to read without jstd (``safetensors.numpy.load_file``
+and ``json``):
+
+- ``shard-00000.safetensors``, ``shard-00001.safetensors``, …: one tensor per
+  collected site, named by the site (``layers.layer_output``), with one row per
+  kept token position (``[tokens, layers, hidden]`` for a site read on every
+  block), and the row map as three more tensors: ``document`` (int64, the
+  document's index in the corpus), ``position`` (int32, the token's index in
+  its document's tokens, 0 = the first, special tokens included) and ``token``
+  (int32, the token id there).
+- ``index.json``: ``sites`` (per site: ``layout``, the row's axis names from
+  ``jstd/sites.py`` with ``tokens`` first and ``layers`` for the block axis;
+  ``shape``, a row's shape; ``blocks``, the block indices along ``layers``;
+  ``dtype``), ``model`` (family, config, path where known), ``settings`` (what
+  the collection was made with), ``shards`` (file names with their row counts
+  and first rows) and ``complete``.
+
+Shards are written under a temporary name and renamed when whole; the index
+lists a shard only once it is renamed, so a reader never sees a partial one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Iterator, NamedTuple, Sequence
+
+import jax
+import ml_dtypes
+import numpy as np
+from jaxtyping import Shaped
+
+from jstd.io.safetensors import DTYPES
+
+INDEX = "index.json"
+FORMAT = "jstd.activations"
+VERSION = 1
+ROW_MAP = {"document": np.int64, "position": np.int32, "token": np.int32}
+SAFETENSORS_DTYPE = {np.dtype(v): k for k, v in DTYPES.items()}
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+def write_shard(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` as one safetensors file at ``path``, atomically: to ``path.tmp``, flushed and fsynced,
+    then renamed. Raises the OSError of a failed write (a full disk: ENOSPC) with the temporary file removed."""
+    header, offset = {}, 0
+    for name, a in tensors.items():
+        if a.dtype not in SAFETENSORS_DTYPE:
+            raise TypeError(f"{name}: dtype {a.dtype} has no safetensors name")
+        header[name] = {"dtype": SAFETENSORS_DTYPE[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the safetensors writer pads it
+    with atomic(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for a in tensors.values():
+            write_array(f, a)
+
+
+def write_array(f, a: np.ndarray) -> None:
+    """``a``'s bytes (C order) to the open file ``f`` without copying a contiguous array."""
+    f.write(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+
+
+def write_json(path: Path, data: dict) -> None:
+    """``data`` as JSON at ``path``, atomically (a temporary file, fsynced, renamed)."""
+    with atomic(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+@contextlib.contextmanager
+def atomic(path: Path, mode: str):
+    """An open file that becomes ``path`` only when the block completes: written under ``path``'s name plus
+    ``.tmp``, fsynced and renamed over ``path``; on any error the temporary file is removed and nothing changes."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def memmap_shard(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the safetensors file ``path`` as a read-only memory map (nothing is read until used)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    size = path.stat().st_size
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        if 8 + n + end > size:
+            raise ValueError(f"{path} is truncated: {name} ends at byte {8 + n + end} of {size}")
+        dtype, shape = np.dtype(DTYPES[entry["dtype"]]), tuple(entry["shape"])
+        if end == start:
+            out[name] = np.zeros(shape, dtype)
+        else:
+            out[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + n + start, shape=shape)
+    return out
+
+
+def read_index(folder: Path) -> dict | None:
+    """The collection's ``index.json`` in ``folder``, or None when there is none."""
+    path = Path(folder) / INDEX
+    if not path.exists():
+        return None
+    index = json.loads(path.read_text())
+    if index.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a jstd activation index (format {index.get('format')!r}, "
+                         f"expected {FORMAT!r})")
+    return index
+
+
+class RowMap(NamedTuple):
+    """Where each row of a dataset comes from: ``document[i]`` (the document's index in the corpus),
+    ``position[i]`` (the token's index in its document) and ``token[i]`` (the token id there)."""
+
+    document: Shaped[np.ndarray, "rows"]
+    position: Shaped[np.ndarray, "rows"]
+    token: Shaped[np.ndarray, "rows"]
+
+
+class ActivationDataset:
+    """A collection written by ``jstd.collect``, read lazily: every shard is memory-mapped, nothing is loaded until
+    a batch or a read asks for it.
+
+    ``len(ds)``: the rows (kept token positions); ``ds.sites``; ``ds.index``
+    (the ``index.json`` dict); ``ds.layout(site)``, ``ds.shape(site)``;
+    ``ds.rows``: the ``RowMap`` (document, position, token per row);
+    ``ds.read(site, rows)``: rows as one array; ``ds.batches(n, key=…)``:
+    batches, shuffled with a JAX key or in order.
+
+    Raises FileNotFoundError for a folder without ``index.json``; ValueError for
+    an unfinished collection (resume it with the same ``jstd.collect`` call)
+    unless ``partial=True``, which reads its complete shards.
+    """
+
+    def __init__(self, folder: str | os.PathLike, *, partial: bool = False):
+        self.folder = Path(folder)
+        index = read_index(self.folder)
+        if index is None:
+            raise FileNotFoundError(f"{self.folder} has no {INDEX}: it is not a collection written by jstd.collect")
+        if not index["complete"] and not partial:
+            raise ValueError(f"the collection in {self.folder} is unfinished ({index['rows']} rows in "
+                             f"{len(index['shards'])} complete shards): rerun the same jstd.collect call to resume it, "
+                             "or pass partial=True to read the complete shards")
+        self.index = index
+        self.sites = tuple(index["sites"])
+        self._shards = [memmap_shard(self.folder / s["file"]) for s in index["shards"]]
+        self._starts = np.cumsum([0] + [s["rows"] for s in index["shards"]])
+        self._rows = None
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __repr__(self) -> str:
+        sites = ", ".join(f"{s} {self.shape(s)}" for s in self.sites)
+        return f"ActivationDataset({str(self.folder)!r}: {len(self)} rows; {sites})"
+
+    def layout(self, site: str) -> tuple[str, ...]:
+        """The axis names of ``site``'s rows, ``tokens`` first (``("tokens", "layers", "hidden")``)."""
+        return tuple(self._site(site)["layout"])
+
+    def shape(self, site: str) -> tuple[int, ...]:
+        """``(rows, …)``: the shape of ``site`` over the whole dataset."""
+        return (len(self),) + tuple(self._site(site)["shape"])
+
+    def _site(self, site: str) -> dict:
+        if site not in self.index["sites"] and site not in ROW_MAP:
+            raise KeyError(f"{site!r} was not collected here; sites: {', '.join(self.sites)}")
+        return self.index["sites"].get(site) or {"layout": ["tokens"], "shape": []}
+
+    @property
+    def rows(self) -> RowMap:
+        """The row map (loaded once: 16 bytes a row)."""
+        if self._rows is None:
+            self._rows = RowMap(*(self.read(name) for name in ROW_MAP))
+        return self._rows
+
+    def shards(self) -> list[dict[str, np.ndarray]]:
+        """Each shard's tensors as read-only memory maps (sites and the row map's ``document``, ``position``,
+        ``token``)."""
+        return list(self._shards)
+
+    def read(self, site: str, rows: slice | Sequence[int] | np.ndarray | None = None
+             ) -> Shaped[np.ndarray, "rows *row"]:
+        """``site``'s values at ``rows`` (a slice, integer indices in any order, or None for every row) as one
+        array ``[len(rows), …]``; also ``document``, ``position``, ``token``."""
+        self._site(site)
+        if rows is None or isinstance(rows, slice):
+            start, stop, step = (rows or slice(None)).indices(len(self))
+            if step == 1:
+                parts = []
+                for i, shard in enumerate(self._shards):
+                    lo, hi = max(start, self._starts[i]), min(stop, self._starts[i + 1])
+                    if lo < hi:
+                        parts.append(shard[site][lo - self._starts[i]:hi - self._starts[i]])
+                if parts:
+                    return np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
+                return np.zeros((0,) + tuple(self.shape(site)[1:]), self._dtype(site))
+            rows = np.arange(start, stop, step)
+        rows = np.asarray(rows, np.int64)
+        if rows.size and (rows.min() < -len(self) or rows.max() >= len(self)):
+            raise IndexError(f"row index out of range for a dataset of {len(self)} rows")
+        rows = rows % max(len(self), 1)
+        out = np.empty((len(rows),) + tuple(self.shape(site)[1:]), self._dtype(site))
+        shard_of = np.searchsorted(self._starts, rows, side="right") - 1
+        for i in np.unique(shard_of):
+            at = np.nonzero(shard_of == i)[0]
+            local = rows[at] - self._starts[i]
+            order = np.argsort(local, kind="stable")  # read each shard front to back
+            out[at[order]] = self._shards[i][site][local[order]]
+        return out
+
+    def _dtype(self, site: str):
+        if site in ROW_MAP:
+            return ROW_MAP[site]
+        return np.dtype(DTYPES[self.index["sites"][site]["dtype"]])
+
+    def batches(self, batch_size: int, *, sites: Sequence[str] | None = None, key: jax.Array | None = None,
+                drop_last: bool = False, row_map: bool = False) -> Iterator[dict[str, np.ndarray]]:
+        """Batches of ``batch_size`` rows: dicts ``site -> [batch, …]`` numpy arrays for ``sites`` (default: every
+        site), with ``document``, ``position`` and ``token`` too when ``row_map``. In row order, or in the order
+        of ``jax.random.permutation(key, len(self))`` when ``key`` is given; the last, smaller batch is kept unless
+        ``drop_last``. Each batch reads only its own rows from the shards."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        names = tuple(self.sites if sites is None else sites) + (tuple(ROW_MAP) if row_map else ())
+        for s in names:
+            self._site(s)
+        n = len(self)
+        order = None if key is None else np.asarray(jax.random.permutation(key, n))
+        stop = n - n % batch_size if drop_last else n
+        for start in range(0, stop, batch_size):
+            rows = slice(start, min(start + batch_size, n)) if order is None else order[start:start + batch_size]
+            yield {s: self.read(s, rows) for s in names}
+
+
+def bfloat16_safe(dtype) -> np.dtype:
+    """``dtype`` as numpy knows it (``bfloat16`` through ml_dtypes)."""
+    return np.dtype(ml_dtypes.bfloat16) if str(dtype) == "bfloat16" else np.dtype(dtype)

@@ -1,0 +1,259 @@
+"""Sharding on JAX's own engine: flax logical-axis rules from each parameter's logical axes to a device mesh.
+
+    mesh = jstd.sharding.mesh(model=2)                        # 2-D mesh ("data", "model") over every device
+    model = jstd.load(path, mesh=mesh, rules=jstd.sharding.FSDP_TP)   # each tensor placed on its shards as it streams
+    inputs = jstd.sharding.shard_inputs(inputs, mesh)         # rows over "data"
+    out = jax.jit(jstd.run)(model, inputs)                    # XLA partitions the computation
+
+Every parameter carries logical axis names (``jstd.logical_axes``: ``embed``,
+``heads``, ``kv_heads``, ``mlp``, ``vocab``, ``layers``, ...). A *rule list*
+maps logical names to mesh axes, as flax's ``logical_axis_rules`` (the
+convention MaxText uses); ``flax.linen.logical_to_mesh_sharding`` turns each
+parameter's names into a ``NamedSharding``. Ready rule lists, over a mesh with
+axes ``data`` and ``model``:
+
+- ``DP``: parameters replicated, input rows (``batch``) over ``data``.
+- ``FSDP``: ``DP`` plus every parameter's ``embed`` axis over ``data``
+  (each device holds 1/n of each large matrix; XLA gathers one block's
+  weights at a time inside the scan).
+- ``TP``: rows over ``data``; ``heads``, ``kv_heads``, DeltaNet heads, ``mlp``
+  and ``vocab`` over ``model`` (Megatron-style column/row splits).
+- ``FSDP_TP``: both, on a 2-D mesh.
+
+An axis whose size is not divisible by its mesh axes' size stays whole
+(replicated on those axes): e.g. 2 key-value heads on a 4-way ``model`` axis,
+as usual for grouped-query attention. Rules naming a mesh axis the mesh does
+not have are ignored, so ``FSDP`` runs on a 1-D ``("data",)`` mesh too. The
+layers axis is never sharded (the scan indexes it).
+
+Sharding changes where values live, never what they are: a sharded run
+returns the single-device values (to float32 rounding of reordered sums).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array
+
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+DATA, MODEL = "data", "model"
+
+# logical names of the parameters (jstd.models.base.param) split by tensor parallelism: attention and DeltaNet heads,
+# MLP columns and the vocabulary
+_TP_NAMES = ("heads", "kv_heads", "linear_heads", "linear_qk_heads", "mlp", "vocab")
+
+DP: tuple = (("batch", DATA),)
+FSDP: tuple = (("batch", DATA), ("embed", DATA))
+TP: tuple = (("batch", DATA),) + tuple((name, MODEL) for name in _TP_NAMES)
+FSDP_TP: tuple = (("batch", DATA), ("embed", DATA)) + tuple((name, MODEL) for name in _TP_NAMES)
+
+LAYOUTS = {"DP": DP, "FSDP": FSDP, "TP": TP, "FSDP_TP": FSDP_TP}
+
+
+def mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
+    """A 2-D ``Mesh`` with axes ``("data", "model")`` over ``devices`` (default: every device, all hosts).
+
+    ``data`` None takes the devices ``model`` leaves. Raises ValueError when
+    ``data * model`` is not the number of devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if data is None:
+        data = len(devices) // model
+    if data * model != len(devices) or data < 1:
+        raise ValueError(f"a mesh of data={data} x model={model} needs {data * model} devices; there are "
+                         f"{len(devices)}: pick sizes whose product is {len(devices)}")
+    from jax.experimental import mesh_utils
+
+    try:
+        grid = mesh_utils.create_device_mesh((data, model), devices)
+    except Exception:  # topologies mesh_utils does not know: plain order
+        grid = np.asarray(devices).reshape(data, model)
+    return Mesh(grid, (DATA, MODEL))
+
+
+def _rules_for(mesh: Mesh, rules: Rules) -> list:
+    """``rules`` less the mesh axes ``mesh`` does not have (a rule left with none maps to no axis)."""
+    out = []
+    for logical, axes in rules:
+        if axes is None:
+            out.append((logical, None))
+            continue
+        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a in mesh.axis_names)
+        out.append((logical, kept[0] if len(kept) == 1 else (kept or None)))
+    return out
+
+
+def _check_rules(rules: Rules) -> None:
+    if isinstance(rules, str) or not all(isinstance(r, (tuple, list)) and len(r) == 2 for r in rules):
+        raise TypeError(f"rules are a flax rule list of (logical name, mesh axes) pairs, e.g. jstd.sharding.FSDP; "
+                        f"got {rules!r}")
+
+
+def fit(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+    """``sharding`` with each dimension that its mesh axes do not divide evenly left whole (replicated)."""
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
+    for d, axes in enumerate(spec):
+        if axes is None:
+            continue
+        n = math.prod(sizes[a] for a in ((axes,) if isinstance(axes, str) else axes))
+        if shape[d] % n:
+            spec[d] = None
+    while spec and spec[-1] is None:
+        spec.pop()
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
+def shardings(model, mesh: Mesh, rules: Rules = FSDP):
+    """A pytree shaped like ``model`` (a model or a skeleton of ``jax.ShapeDtypeStruct``) whose leaves are each
+    parameter's ``NamedSharding`` on ``mesh`` under ``rules``: ``flax.linen.logical_to_mesh_sharding`` of
+    ``jstd.logical_axes(model)``, then ``fit`` to each parameter's shape."""
+    from flax import linen
+
+    from jstd.models.base import logical_axes
+
+    _check_rules(rules)
+    named = linen.logical_to_mesh_sharding(logical_axes(model), mesh, _rules_for(mesh, rules))
+    return jax.tree.map(lambda s, leaf: fit(s, tuple(leaf.shape)), named, model,
+                        is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def shard(model, mesh: Mesh, rules: Rules | None = None):
+    """``model`` with every parameter placed on ``mesh`` as ``rules`` say (``shardings``); the values are the same.
+
+    ``rules``: a flax rule list, e.g. ``jstd.sharding.DP``, ``FSDP`` (None: the
+    default), ``TP``, ``FSDP_TP``. Raises TypeError for rules that are not a
+    rule list.
+    """
+    return jax.device_put(model, shardings(model, mesh, FSDP if rules is None else rules))
+
+
+def placer(skeleton, mesh: Mesh | None, rules: Rules | None = None) -> Callable[[str, np.ndarray], Array]:
+    """``place(path, host_array) -> jax.Array``: a loaded parameter (``path`` as in the family's name map:
+    ``"layers.slots.0.attn.q"``) placed on its shards of ``mesh`` under ``rules`` (default ``FSDP``), each device
+    receiving only its part (``jax.make_array_from_callback``, so on several hosts each host places only its
+    devices' parts); without a mesh, ``jax.device_put`` on the default device (the CPU adopts an aligned buffer
+    without a copy). ``skeleton``: the model's tree of ``jax.ShapeDtypeStruct`` (``Family.skeleton``).
+
+    On a mesh, ``place.shards(path, shape, part)`` builds the parameter from ``part(index)``, the host array of
+    one device's part alone (``jstd.load`` reads a stacked parameter's parts block by block with it)."""
+    if mesh is None:
+        if rules is not None:
+            raise ValueError("rules= places parameters on a mesh: pass mesh= too (jstd.sharding.mesh())")
+        return lambda path, array: jax.device_put(array)
+    tree = shardings(skeleton, mesh, FSDP if rules is None else rules)
+
+    def place(path: str, array: np.ndarray) -> Array:
+        sharding = _get(tree, path)
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    def shards(path: str, shape: tuple[int, ...], part: Callable[[tuple], np.ndarray]) -> Array:
+        """The parameter ``path`` of ``shape`` built device by device: ``part(index)`` returns the host array of
+        ``index`` (a tuple of slices) alone, so a loader can read a stacked parameter block by block and never
+        hold it whole (devices that hold the same part share one call)."""
+        last = {}
+
+        def one(index):
+            key = tuple((s.start, s.stop) for s in index)
+            if key not in last:
+                last.clear()
+                last[key] = part(index)
+            return last[key]
+
+        return jax.make_array_from_callback(shape, _get(tree, path), one)
+
+    place.shards = shards
+    return place
+
+
+def _get(tree, path: str):
+    for part in path.split("."):
+        tree = tree[int(part)] if part.isdigit() else getattr(tree, part)
+    return tree
+
+
+def batch_sharding(mesh: Mesh, rules: Rules = FSDP, ndim: int = 2) -> NamedSharding:
+    """The sharding of an ``ndim``-array with a leading ``batch`` axis (token ids, masks) under ``rules``."""
+    from flax import linen
+
+    _check_rules(rules)
+    spec = PartitionSpec("batch", *([None] * (ndim - 1)))
+    return linen.logical_to_mesh_sharding(spec, mesh, _rules_for(mesh, rules))
+
+
+def shard_inputs(inputs, mesh: Mesh, rules: Rules = FSDP):
+    """``inputs`` (token ids or a ``jstd.Inputs``) with the token ids and mask split by rows as ``rules`` map
+    ``batch`` (every ready rule list: over ``data``); images replicated. Rows that do not divide evenly stay
+    whole."""
+    from jstd.inputs import Inputs
+
+    def rows(x):
+        if x is None:
+            return None
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        return jax.device_put(x, fit(batch_sharding(mesh, rules, x.ndim), x.shape))
+
+    if not isinstance(inputs, Inputs):
+        return rows(inputs)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    images = None if inputs.images is None else {k: jax.device_put(v, replicated) for k, v in inputs.images.items()}
+    return Inputs(rows(inputs.tokens), rows(inputs.attention_mask), images, inputs.layout)
+
+
+def sweep(fn: Callable, *entries, mesh: Mesh, axis: str = DATA):
+    """``jax.vmap(fn)(*entries)`` with the entries spread over ``mesh``'s ``axis``: each device runs its share.
+
+    ``entries``: arrays with the sweep axis first (layers, heads, positions of
+    each run). They are padded to a multiple of the axis' size (with their last
+    entry) and placed split over ``axis``; the result, split the same way, is
+    cut back to the entries given. One compile per shape. Equal to the
+    unsharded ``jax.vmap(fn)(*entries)``.
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(f"mesh has no axis {axis!r} (axes: {mesh.axis_names}); pass axis= one of them")
+    entries = [np.asarray(e) if not isinstance(e, jax.Array) else e for e in entries]
+    n = entries[0].shape[0]
+    if any(e.shape[0] != n for e in entries):
+        raise ValueError(f"sweep entries must share their first axis; got {[e.shape[0] for e in entries]}")
+    size = dict(zip(mesh.axis_names, mesh.devices.shape))[axis]
+    pad = -n % size
+    placed = [jax.device_put(spread(e, pad), NamedSharding(mesh, PartitionSpec(axis))) for e in entries]
+    out = _sweep_jit(fn, NamedSharding(mesh, PartitionSpec(axis)))(*placed)
+    return jax.tree.map(lambda x: x[:n], out)
+
+
+def spread(entries, pad: int):
+    """``entries`` padded along axis 0 with ``pad`` copies of its last entry."""
+    import jax.numpy as jnp
+
+    if not pad:
+        return entries
+    xp = np if isinstance(entries, np.ndarray) else jnp
+    return xp.concatenate([entries, xp.repeat(entries[-1:], pad, axis=0)])
+
+
+@functools.lru_cache(maxsize=64)
+def _sweep_jit(fn, sharding):
+    def run(*entries):
+        out = jax.vmap(fn)(*entries)
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), out)
+
+    return jax.jit(run)
+
+
+def constrain_rows(x: Array) -> Array:
+    """``x`` (a ``[batch, ...]`` activation: the residual stream) constrained to rows split over the ``data`` axis
+    of the mesh set with ``jax.set_mesh`` (``with jax.set_mesh(mesh): jax.jit(jstd.run)(...)``), so that under
+    ``FSDP`` XLA gathers each block's weights rather than splitting the stream by hidden units. Without such a mesh,
+    or with rows that ``data`` does not divide, ``x`` itself (no-op)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or DATA not in mesh.axis_names or not x.ndim or x.shape[0] % dict(mesh.shape)[DATA]:
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(DATA))

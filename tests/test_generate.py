@@ -1,0 +1,222 @@
+"""jstd.generate: greedy tokens and each step's logits equal transformers' ``generate`` (tiny random models of each
+family, left-padded batches); every step's logits and reads equal ``jstd.run`` on the generated sequence with the
+same edits; steering equals the same steering through torch hooks; EOS, sampling, vmap over strengths.
+
+One jstd run on the whole generated sequence checks every step at once: a causal model's logits at position
+``prompt + i - 1`` are those of the sequence so far.
+"""
+
+import contextlib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import families
+import jstd
+from conftest import assert_close
+from jstd.cli import main
+from reference.harness import TorchEdit
+from reference.cases import jit_run
+
+NEW = 6
+PROMPT = 7
+ASSET = Path(jstd.__file__).parent / "assets" / "tiny-llama"
+
+
+def left_padded(model, seed=0, batch=2, pad=2):
+    """Random prompts ``[batch, PROMPT]``, the last row left-padded by ``pad`` (id 0): (tokens, mask)."""
+    tokens = np.random.default_rng(seed).integers(1, model.config.vocab_size, (batch, PROMPT))
+    mask = np.ones_like(tokens)
+    tokens[-1, :pad], mask[-1, :pad] = 0, 0
+    return tokens, mask
+
+
+def torch_generate(ref, arrays: dict, new=NEW, edits=(), **kwargs):
+    """transformers' greedy ``generate`` on the reference model (``edits``: TorchEdits through its hooks):
+    (tokens, per-step logits)."""
+    tap, _ = ref._tap((), list(edits))
+    hooks = ref._hooks(tap) if edits else contextlib.nullcontext()
+    tensors = (ref.inputs(arrays) if hasattr(ref, "inputs")  # the Qwen-VL line: token types for M-RoPE
+               else {k: torch.as_tensor(np.asarray(v)) for k, v in arrays.items()})
+    with torch.no_grad(), hooks:
+        out = ref.model.generate(**tensors, max_new_tokens=new, min_new_tokens=new if "eos_token_id" not in kwargs
+                                 else 0, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                                 pad_token_id=kwargs.pop("pad_token_id", 0), **kwargs)
+    return out.sequences.numpy(), torch.stack(out.logits, 1).float().numpy()
+
+
+def whole_run(model, gen, mask, edits=(), reads=()):
+    """``jstd.run`` on the generated sequence (the prompt's mask then ones): its values at each step's position."""
+    total = np.asarray(gen.tokens)
+    full_mask = np.concatenate([mask, np.ones((mask.shape[0], total.shape[1] - mask.shape[1]), mask.dtype)], 1)
+    out = jit_run(model, total[:, :-1], edits, reads=reads, attention_mask=full_mask[:, :-1])
+    return out, slice(mask.shape[1] - 1, total.shape[1] - 1)
+
+
+def steering(model, seed=3):
+    v = np.random.default_rng(seed).normal(size=model.config.hidden_size).astype(np.float32)
+    return v / np.linalg.norm(v) * 4.0
+
+
+def steered(model, tokens, mask, strength, eos=-1, pad=0):
+    """``generate`` with ``strength`` times the steering vector added at block 1's output (0: no steering) and
+    ``eos`` (-1: no row stops), reading ``layers.layer_output``: one structure, so one compile serves every call on
+    a model."""
+    edits = [jstd.Add("layers.layer_output", strength * steering(model), layer=1)]
+    return jstd.generate(model, tokens, edits, attention_mask=mask, max_new_tokens=NEW, reads=("layers.layer_output",),
+                         eos_token_id=[eos], pad_token_id=pad)
+
+
+@pytest.mark.parametrize("name", families.TEXT_MAIN)
+def test_plain_and_steered_generation_equal_transformers_and_the_whole_run(zoo, name):
+    """Greedy tokens and each step's logits equal transformers' generate, plain and steered through its hooks; the
+    steered steps' logits and reads equal jstd.run on the generated sequence with the same edit."""
+    _, _, model, ref, _ = zoo(name)
+    tokens, mask = left_padded(model)
+    arrays = dict(input_ids=tokens, attention_mask=mask)
+    plain, gen = steered(model, tokens, mask, 0.0), steered(model, tokens, mask, 1.0)
+    want_tokens, want_logits = torch_generate(ref, arrays)
+    np.testing.assert_array_equal(np.asarray(plain.tokens), want_tokens)
+    assert_close(plain.logits, want_logits, 1e-5, f"{name}: step logits")
+    assert np.abs(np.asarray(gen.logits) - np.asarray(plain.logits)).max() > 1e-2, "the steering changes nothing"
+    v = torch.from_numpy(steering(model))
+    want_tokens, want_logits = torch_generate(ref, arrays, edits=[TorchEdit("layers.layer_output", lambda t: t + v, 1)])
+    np.testing.assert_array_equal(np.asarray(gen.tokens), want_tokens)
+    assert_close(gen.logits, want_logits, 1e-5, f"{name}: steered step logits")
+    if model.layers_with("linear_attn"):  # the hybrids' steps are checked against transformers' alone: their whole
+        return                             # run would add a 15 s compile each to the suite
+    edits = [jstd.Add("layers.layer_output", steering(model), layer=1)]
+    out, steps = whole_run(model, gen, mask, edits, reads=("layers.layer_output",))
+    assert_close(gen.logits, out.logits[:, steps], 1e-5, f"{name}: steered logits vs the whole run")
+    assert_close(gen["layers.layer_output"], out["layers.layer_output"][:, :, steps], 1e-5, f"{name}: reads")
+
+
+@pytest.fixture(scope="module")
+def llama(zoo):
+    return zoo("llama-gqa")
+
+
+def test_rows_stop_at_eos_and_pad_after_it_as_transformers(llama):
+    _, _, model, ref, _ = llama
+    tokens, mask = left_padded(model, seed=1)
+    free = np.asarray(steered(model, tokens, mask, 0.0).tokens)
+    eos = int(free[0, PROMPT + 2])  # row 0's third new token: row 0 stops there
+    pad = 5
+    got = np.asarray(steered(model, tokens, mask, 0.0, eos=eos, pad=pad).tokens)
+    want, _ = torch_generate(ref, dict(input_ids=tokens, attention_mask=mask), eos_token_id=eos, pad_token_id=pad)
+    np.testing.assert_array_equal(got[:, :want.shape[1]], want)  # transformers stops when every row has
+    assert (got[:, want.shape[1]:] == pad).all()
+    assert (got[0, PROMPT + 3:] == pad).all() and got[0, PROMPT + 2] == eos
+    assert (got[:, :PROMPT + 2] == free[:, :PROMPT + 2]).all()
+
+
+def test_edit_positions_are_absolute_in_the_growing_sequence(llama):
+    """An edit at one generated position (and one prompt position) changes the steps from there on exactly as the
+    same edit does on the whole sequence."""
+    _, _, model, _, _ = llama
+    tokens, mask = left_padded(model, seed=4)
+    v = steering(model, 5)
+    at = [PROMPT - 3, PROMPT + 2]
+    edits = [jstd.Add("layers.layer_mid", v, layer=2, positions=np.asarray(at))]
+    gen = jstd.generate(model, tokens, edits, attention_mask=mask, max_new_tokens=NEW)
+    out, steps = whole_run(model, gen, mask, edits)
+    assert_close(gen.logits, out.logits[:, steps], 1e-5, "positioned edit")
+    with pytest.raises(jstd.SiteError, match="no negatives"):
+        jstd.generate(model, tokens, [jstd.Add("layers.layer_mid", v, layer=2, positions=-1)], max_new_tokens=NEW)
+
+
+def test_a_strength_sweep_is_one_vmap_over_generate(llama):
+    _, _, model, _, _ = llama
+    tokens, mask = left_padded(model, seed=6)
+    v = jnp.asarray(steering(model))
+    strengths = jnp.asarray([0.0, 1.0, 3.0])
+
+    @jax.jit
+    def sweep(strengths, layer):
+        one = lambda s: jstd.generate(model, tokens, [jstd.Add("layers.layer_output", s * v, layer=layer)],
+                                      attention_mask=mask, max_new_tokens=NEW, reads=("layers.layer_output",))
+        return jax.vmap(one)(strengths)
+
+    swept = sweep(strengths, jnp.asarray(1))
+    for k, s in enumerate(np.asarray(strengths)):
+        single = steered(model, tokens, mask, s)
+        np.testing.assert_array_equal(np.asarray(swept.tokens[k]), np.asarray(single.tokens))
+        assert_close(swept.logits[k], single.logits, 1e-5, f"strength {s}")
+        assert_close(swept["layers.layer_output"][k], single["layers.layer_output"], 1e-5, f"strength {s} reads")
+    assert not np.array_equal(np.asarray(swept.tokens[0]), np.asarray(swept.tokens[2])), "the sweep changes nothing"
+
+
+def test_sampling_filters_as_transformers_and_is_reproducible(llama):
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    logits = np.random.default_rng(8).normal(size=(4, 50)).astype(np.float32) * 3
+    sampling = jstd.Sampling(temperature=0.7, top_k=20, top_p=0.8)
+    t = torch.from_numpy(logits)
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.8)):
+        t = warper(None, t)
+    got = np.asarray(sampling.filtered(jnp.asarray(logits)))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(t.numpy()))
+    assert_close(np.where(np.isinf(got), 0, got), np.where(np.isinf(got), 0, t.numpy()), 1e-6, "filtered logits")
+
+    _, _, model, _, _ = llama
+    tokens, mask = left_padded(model, seed=9)
+    hot = jstd.Sampling(temperature=2.0, top_k=8)
+    a = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, sampling=hot, key=jax.random.key(1))
+    b = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, sampling=hot, key=jax.random.key(1))
+    c = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, sampling=hot, key=jax.random.key(2))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+    new = np.asarray(a.tokens)[:, PROMPT:]
+    rank = (np.asarray(a.logits) > np.take_along_axis(np.asarray(a.logits), new[..., None], -1)).sum(-1)
+    assert (rank < 8).all(), "a sampled token outside the top k"
+    cold = jstd.Sampling(temperature=1e-4, top_k=8)  # the same compile: temperature is a value
+    greedy = steered(model, tokens, mask, 0.0)
+    one = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, sampling=cold, key=jax.random.key(3))
+    np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(greedy.tokens))
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl"])
+def test_wrappers_generate_after_the_image_as_transformers(zoo, name):
+    """Image features in the prefill only; M-RoPE positions keep counting past the image."""
+    _, _, model, ref, spec = zoo(name)
+    inputs, arrays = spec.inputs(model, seed=1, counts=(1, 1))
+    gen = jstd.generate(model, inputs, max_new_tokens=NEW)
+    want_tokens, want_logits = torch_generate(ref, arrays)
+    np.testing.assert_array_equal(np.asarray(gen.tokens), want_tokens)
+    assert_close(gen.logits, want_logits, 1e-5, f"{name}: step logits")
+
+
+def test_generate_errors_name_the_problem(llama):
+    _, _, model, _, _ = llama
+    tokens, mask = left_padded(model)
+    with pytest.raises(ValueError, match="pass key="):
+        jstd.generate(model, tokens, max_new_tokens=2, sampling=jstd.Sampling(temperature=0.5))
+    with pytest.raises(ValueError, match="ends in padding"):
+        jstd.generate(model, tokens, attention_mask=mask[:, ::-1], max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        jstd.generate(model, tokens, max_new_tokens=0)
+    with pytest.raises(jstd.SiteError, match="span the cache"):
+        jstd.generate(model, tokens, max_new_tokens=2, reads=("layers.self_attn.attention_probabilities",))
+    with pytest.raises(jstd.SiteError, match="covers the whole sequence"):
+        jstd.generate(model, tokens, [jstd.Zero("layers.layer_output", positions=np.ones(PROMPT, bool))],
+                      max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        jstd.Sampling(top_p=1.5)
+
+
+def test_generate_command_streams_the_greedy_tokens_of_transformers(capsys):
+    from transformers import AutoModelForCausalLM
+
+    induction = ASSET.parent / "induction-llama"  # trained to copy: its tokens show a wrong step
+    proc = jstd.load_processor(induction)
+    prompt = "the baker sat near this old river with one green boat the baker sat"
+    ids = torch.as_tensor(proc(prompt, return_tensors="np")["input_ids"])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(induction).eval().generate(ids, max_new_tokens=6, do_sample=False)
+    assert main(["generate", str(induction), prompt, "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == proc.decode(want[0], skip_special_tokens=True) + "\n"
