@@ -45,6 +45,9 @@ class ModelConfig:
     The text sizes are None on a standalone vision tower; ``vision`` is None
     on a text model. layer_types: one entry per text block, the block's kind
     (``"full_attention"`` on every Llama block); hybrids mix kinds.
+    eos_token_ids, pad_token_id: the checkpoint's generation defaults
+    (``generation_config.json``, else ``config.json``; set by ``jstd.load``):
+    what ``jstd.generate`` stops at and pads with unless told otherwise.
     """
 
     model_type: str
@@ -58,7 +61,9 @@ class ModelConfig:
     intermediate_size: int | None = None
     layer_types: tuple[str, ...] = ()
     vision: VisionConfig | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
 
     def __str__(self):
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
-                         if f.name not in ("layer_types", "vision") and getattr(self, f.name) is not None)
+                         if f.name not in ("layer_types", "vision") and getattr(self, f.name) not in (None, ()))

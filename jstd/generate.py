@@ -156,9 +156,11 @@ def generate(
     projector's or attention scores and probabilities: read those with
     ``jstd.run`` on ``Generation.tokens``). ``sampling``: None (greedy) or a
     ``Sampling``, which needs ``key``. ``eos_token_id``: the id or ids that end
-    a row (None: rows never end early; a checkpoint's own ids are in its
-    ``generation_config.json``: ``generation_config(path)`` reads them).
-    ``pad_token_id``: what follows a row's EOS (default: its first EOS id).
+    a row (None: the checkpoint's, ``model.config.eos_token_ids``, which
+    ``jstd.load`` reads from its ``generation_config.json`` as transformers'
+    ``generate`` does; ``()``: rows never end early). ``pad_token_id``: what
+    follows a row's EOS (None: the checkpoint's with its EOS ids, else the
+    first EOS id).
 
     Returns a ``Generation``. Each step's logits equal ``jstd.run`` on the
     whole sequence so far (the prompt's mask then ones) with the same edits.
@@ -200,7 +202,10 @@ def generate(
     for e in edits:
         if not e.site.startswith(_IMAGE_PREFIXES):
             _check_servable(e.site, f"{type(e).__name__} at")
-    eos = jnp.zeros((0,), jnp.int32) if eos_token_id is None else jnp.asarray(eos_token_id, jnp.int32).reshape(-1)
+    if eos_token_id is None:
+        eos_token_id = model.config.eos_token_ids
+        pad_token_id = model.config.pad_token_id if pad_token_id is None else pad_token_id
+    eos = jnp.asarray(eos_token_id, jnp.int32).reshape(-1)
     if pad_token_id is None:
         pad = eos[0] if eos.shape[0] else jnp.asarray(0, jnp.int32)
     else:

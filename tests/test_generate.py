@@ -7,6 +7,7 @@ One jstd run on the whole generated sequence checks every step at once: a causal
 """
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -17,6 +18,7 @@ import torch
 
 import families
 import jstd
+from jstd.models.base import with_fields
 from conftest import assert_close
 from jstd.cli import main
 from reference.harness import TorchEdit
@@ -64,11 +66,11 @@ def steering(model, seed=3):
 
 def steered(model, tokens, mask, strength, eos=-1, pad=0):
     """``generate`` with ``strength`` times the steering vector added at block 1's output (0: no steering) and
-    ``eos`` (-1: no row stops), reading ``layers.layer_output``: one structure, so one compile serves every call on
-    a model."""
+    ``eos`` (-1: no row stops; None: the model's), reading ``layers.layer_output``: one structure, so one compile
+    serves every call on a model."""
     edits = [jstd.Add("layers.layer_output", strength * steering(model), layer=1)]
     return jstd.generate(model, tokens, edits, attention_mask=mask, max_new_tokens=NEW, reads=("layers.layer_output",),
-                         eos_token_id=[eos], pad_token_id=pad)
+                         eos_token_id=None if eos is None else [eos], pad_token_id=pad)
 
 
 @pytest.mark.parametrize("name", families.TEXT_MAIN)
@@ -112,6 +114,11 @@ def test_rows_stop_at_eos_and_pad_after_it_as_transformers(llama):
     assert (got[:, want.shape[1]:] == pad).all()
     assert (got[0, PROMPT + 3:] == pad).all() and got[0, PROMPT + 2] == eos
     assert (got[:, :PROMPT + 2] == free[:, :PROMPT + 2]).all()
+    # by default a generation stops at the checkpoint's EOS ids and pads with its pad id (generation_config.json)
+    folder = llama.folder
+    assert model.config.eos_token_ids == jstd.generation_config(folder)["eos_token_id"] != ()
+    own = with_fields(model, config=dataclasses.replace(model.config, eos_token_ids=(eos,), pad_token_id=pad))
+    np.testing.assert_array_equal(np.asarray(steered(own, tokens, mask, 0.0, eos=None, pad=None).tokens), got)
 
 
 def test_edit_positions_are_absolute_in_the_growing_sequence(llama):
@@ -138,7 +145,8 @@ def test_a_strength_sweep_is_one_vmap_over_generate(llama):
     @jax.jit
     def sweep(strengths, layer):
         one = lambda s: jstd.generate(model, tokens, [jstd.Add("layers.layer_output", s * v, layer=layer)],
-                                      attention_mask=mask, max_new_tokens=NEW, reads=("layers.layer_output",))
+                                      attention_mask=mask, max_new_tokens=NEW, reads=("layers.layer_output",),
+                                      eos_token_id=[-1])
         return jax.vmap(one)(strengths)
 
     swept = sweep(strengths, jnp.asarray(1))
@@ -166,9 +174,9 @@ def test_sampling_filters_as_transformers_and_is_reproducible(llama):
     _, _, model, _, _ = llama
     tokens, mask = left_padded(model, seed=9)
     hot = jstd.Sampling(temperature=2.0, top_k=8)
-    a = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, sampling=hot, key=jax.random.key(1))
-    b = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, sampling=hot, key=jax.random.key(1))
-    c = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, sampling=hot, key=jax.random.key(2))
+    a = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[-1], sampling=hot, key=jax.random.key(1))
+    b = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[-1], sampling=hot, key=jax.random.key(1))
+    c = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[-1], sampling=hot, key=jax.random.key(2))
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
     new = np.asarray(a.tokens)[:, PROMPT:]
@@ -176,7 +184,7 @@ def test_sampling_filters_as_transformers_and_is_reproducible(llama):
     assert (rank < 8).all(), "a sampled token outside the top k"
     cold = jstd.Sampling(temperature=1e-4, top_k=8)  # the same compile: temperature is a value
     greedy = steered(model, tokens, mask, 0.0)
-    one = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, sampling=cold, key=jax.random.key(3))
+    one = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[-1], sampling=cold, key=jax.random.key(3))
     np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(greedy.tokens))
 
 
@@ -185,7 +193,7 @@ def test_wrappers_generate_after_the_image_as_transformers(zoo, name):
     """Image features in the prefill only; M-RoPE positions keep counting past the image."""
     _, _, model, ref, spec = zoo(name)
     inputs, arrays = spec.inputs(model, seed=1, counts=(1, 1))
-    gen = jstd.generate(model, inputs, max_new_tokens=NEW)
+    gen = jstd.generate(model, inputs, max_new_tokens=NEW, eos_token_id=())  # no row stops (nor does torch's here)
     want_tokens, want_logits = torch_generate(ref, arrays)
     np.testing.assert_array_equal(np.asarray(gen.tokens), want_tokens)
     assert_close(gen.logits, want_logits, 1e-5, f"{name}: step logits")

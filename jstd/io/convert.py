@@ -83,10 +83,9 @@ class Source:
 
 def with_source(model, source: Source | None):
     """``model`` with ``model.source`` set to ``source`` (a shallow copy; the parameters are shared)."""
-    new = object.__new__(type(model))
-    new.__dict__.update(vars(model))
-    object.__setattr__(new, "source", source)
-    return new
+    from jstd.models.base import with_fields
+
+    return with_fields(model, source=source)
 
 
 def hf_source(folder: Path, files: SafetensorsFiles, entries) -> Source:

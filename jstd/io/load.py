@@ -174,7 +174,7 @@ def load(path_or_repo_id, *, dtype=None, mesh=None, rules=None):
     """
     folder = resolve(path_or_repo_id)
     if is_converted(folder):  # a stacked jstd checkpoint (jstd convert): read as stored, no name map, streamed
-        return load_converted(folder, dtype=dtype, mesh=mesh, rules=rules)
+        return with_generation_ids(load_converted(folder, dtype=dtype, mesh=mesh, rules=rules), folder)
     hf = hf_config(folder)
     family = family_for(hf.model_type)
     dtype = param_dtype(dtype, hf)
@@ -191,7 +191,17 @@ def load(path_or_repo_id, *, dtype=None, mesh=None, rules=None):
     unfilled = [p for p, leaf in _paths(model) if isinstance(leaf, jax.ShapeDtypeStruct)]
     if unfilled:
         raise RuntimeError(f"{family.family} name map leaves parameters unfilled: {unfilled}")
-    return with_source(model, hf_source(folder, files, entries))  # what jstd.export writes back
+    return with_generation_ids(with_source(model, hf_source(folder, files, entries)), folder)  # source: for export
+
+
+def with_generation_ids(model, folder: Path):
+    """``model`` with ``config.eos_token_ids`` / ``pad_token_id`` the checkpoint's (``jstd.generation_config``)."""
+    from jstd.generate import generation_config
+    from jstd.models.base import with_fields
+
+    ids = generation_config(folder)
+    return with_fields(model, config=dataclasses.replace(model.config, eos_token_ids=ids["eos_token_id"],
+                                                         pad_token_id=ids["pad_token_id"]))
 
 
 

@@ -173,3 +173,12 @@ class Family:
         specific first (hub checkpoints and what transformers saves differ). The loader takes, for each prefix,
         the first spelling some stored tensor starts with; none by default (keys are stored as mapped)."""
         return {}
+
+
+def with_fields(model: eqx.Module, **fields) -> eqx.Module:
+    """``model`` with the static ``fields`` replaced (a shallow copy: the parameters are shared)."""
+    new = object.__new__(type(model))
+    new.__dict__.update(vars(model))
+    for name, value in fields.items():
+        object.__setattr__(new, name, value)
+    return new
