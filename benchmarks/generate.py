@@ -74,10 +74,10 @@ def main():
 
     # jstd: one jitted generate; the first call compiles
     t0 = time.perf_counter()
-    gen = jstd.generate(model, tokens, max_new_tokens=new)
+    gen = jstd.generate(model, tokens, max_new_tokens=new, eos_token_id=())  # every token, as torch's min_new_tokens
     gen.tokens.block_until_ready()
     first = time.perf_counter() - t0
-    t_jstd = common.timeit(lambda: jstd.generate(model, tokens, max_new_tokens=new).tokens.block_until_ready(),
+    t_jstd = common.timeit(lambda: jstd.generate(model, tokens, max_new_tokens=new, eos_token_id=()).tokens.block_until_ready(),
                            args.repeats, 1)
 
     # transformers: generate with its cache, greedy, every token generated
@@ -113,7 +113,7 @@ def main():
     v = jnp.asarray(np.random.default_rng(1).normal(size=model.config.hidden_size).astype(np.float32))
     strengths = jnp.linspace(0.0, 4.0, args.sweep)
     steer = lambda s: jstd.generate(model, tokens, [jstd.Add("layers.layer_output", s * v, layer=4)],
-                                    max_new_tokens=new)
+                                    max_new_tokens=new, eos_token_id=())
     swept = jax.jit(jax.vmap(steer))
     swept(strengths).tokens.block_until_ready()
     steer(strengths[0]).tokens.block_until_ready()

@@ -458,7 +458,6 @@ def command(args) -> int:
     model = load(args.path, dtype=args.dtype)
     tokenizer = load_processor(args.path)
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-    defaults = generation_config(args.path)
     ids = np.asarray(tokenizer(args.prompt, return_tensors="np")["input_ids"])
     sampled = any(v is not None for v in (args.temperature, args.top_k, args.top_p))
     sampling = Sampling(args.temperature or 1.0, args.top_k, args.top_p) if sampled else None
@@ -467,8 +466,7 @@ def command(args) -> int:
     shown = tokenizer.decode(prompt, skip_special_tokens=True)
     sys.stdout.write(shown)
     sys.stdout.flush()
-    for tokens in stream(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, key=key,
-                         eos_token_id=defaults["eos_token_id"] or None):
+    for tokens in stream(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, key=key):
         text = tokenizer.decode(prompt + tokens, skip_special_tokens=True)  # decoded whole: spaces as in the text
         sys.stdout.write(text[len(shown):])
         sys.stdout.flush()
@@ -479,10 +477,12 @@ def command(args) -> int:
 
 def stream(model, inputs, *, max_new_tokens: int, sampling=None, key=None, eos_token_id=None):
     """Yield row 0's new tokens so far (a list of ids) after each step, stopping after an EOS id: the tokens
-    ``generate`` gives without edits, one jitted step per call so they can be shown as they come."""
+    ``generate`` gives without edits, one jitted step per call so they can be shown as they come (``eos_token_id``
+    as ``generate``'s: None is the checkpoint's)."""
     inputs = with_layout(as_inputs(inputs))
     prompt = np.shape(inputs.tokens)[1]
-    eos = set(() if eos_token_id is None else np.asarray(eos_token_id).reshape(-1).tolist())
+    eos_token_id = model.config.eos_token_ids if eos_token_id is None else eos_token_id
+    eos = set(np.asarray(eos_token_id, np.int64).reshape(-1).tolist())
     key = jax.random.key(0) if key is None else key
     token, cache = _stream_start(model, inputs, sampling, key, max_new_tokens)
     out = []
