@@ -327,20 +327,15 @@ def convert(src, dst, *, dtype=None, force: bool = False, progress: bool = True,
     model or dtype).
     """
     from jstd.io.hub import resolve
-    from jstd.io.load import _fill, _Scratch, family_for, hf_config, mapped_entries, param_dtype, warn_unhandled
+    from jstd.io.load import _fill, _Scratch, plan
 
     folder = resolve(src)
     if is_converted(folder):
         raise ValueError(f"jstd convert: {folder} is already a converted jstd checkpoint ({MARKER}); jstd.load reads "
                          "it as it is, and jstd export MODEL DST writes it back as a HuggingFace folder")
     dst = _check_destination(folder, Path(dst), force, "convert")
-    hf = hf_config(folder)
-    family = family_for(hf.model_type)
-    dtype = param_dtype(dtype, hf)
-    warn_unhandled(hf, family, folder)
-    files = SafetensorsFiles(folder)
-    skeleton = family.skeleton(hf, dtype)
-    entries = {e.path: e for e in mapped_entries(folder, hf, family, skeleton, files)}
+    hf, family, dtype, files, skeleton, entries = plan(folder, dtype)
+    entries = {e.path: e for e in entries}
     leaves = leaf_paths(skeleton)
     unmapped = [p for p, _ in leaves if p not in entries]
     if unmapped:

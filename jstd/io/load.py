@@ -175,13 +175,7 @@ def load(path_or_repo_id, *, dtype=None, mesh=None, rules=None):
     folder = resolve(path_or_repo_id)
     if is_converted(folder):  # a stacked jstd checkpoint (jstd convert): read as stored, no name map, streamed
         return with_generation_ids(load_converted(folder, dtype=dtype, mesh=mesh, rules=rules), folder)
-    hf = hf_config(folder)
-    family = family_for(hf.model_type)
-    dtype = param_dtype(dtype, hf)
-    warn_unhandled(hf, family, folder)
-    files = SafetensorsFiles(folder)
-    skeleton = family.skeleton(hf, dtype)
-    entries = mapped_entries(folder, hf, family, skeleton, files)
+    hf, family, dtype, files, skeleton, entries = plan(folder, dtype)
     scratch = _Scratch()
     from jstd.sharding import placer
 
@@ -203,6 +197,19 @@ def with_generation_ids(model, folder: Path):
     return with_fields(model, config=dataclasses.replace(model.config, eos_token_ids=ids["eos_token_id"],
                                                          pad_token_id=ids["pad_token_id"]))
 
+
+
+def plan(folder: Path, dtype) -> tuple:
+    """What reading the HuggingFace checkpoint ``folder`` starts from: ``(hf config, family, parameter dtype,
+    its SafetensorsFiles, the model's skeleton, the name map's entries)``, after every check that reads no
+    tensor (``ConfigWarning`` for unhandled config keys; ``mapped_entries``' CheckpointErrors)."""
+    hf = hf_config(folder)
+    family = family_for(hf.model_type)
+    dtype = param_dtype(dtype, hf)
+    warn_unhandled(hf, family, folder)
+    files = SafetensorsFiles(folder)
+    skeleton = family.skeleton(hf, dtype)
+    return hf, family, dtype, files, skeleton, mapped_entries(folder, hf, family, skeleton, files)
 
 
 def mapped_entries(folder: Path, hf, family, skeleton, files: SafetensorsFiles) -> list:
