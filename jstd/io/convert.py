@@ -689,7 +689,8 @@ def command(args) -> int:
             out = export(jstd.load(folder, dtype=args.dtype), args.dst, force=args.force, files_from=folder,
                          progress=not args.quiet)
     except (OSError, ValueError) as e:
-        print(f"jstd {args.command}: {' '.join(str(e).split())}", file=sys.stderr)
+        message, prefix = " ".join(str(e).split()), f"jstd {args.command}: "
+        print(message if message.startswith(prefix) else prefix + message, file=sys.stderr)
         return 1
     print(out)
     return 0
