@@ -144,6 +144,8 @@ def placer(skeleton, mesh: Mesh | None, rules: Rules | None = None) -> Callable[
 
     On a mesh, ``place.shards(path, shape, part)`` builds the parameter from ``part(index)``, the host array of
     one device's part alone (``jstd.load`` reads a stacked parameter's parts block by block with it)."""
+    from jstd.io.load import _get  # imported here: jstd.io.load imports this module
+
     if mesh is None:
         if rules is not None:
             raise ValueError("rules= places parameters on a mesh: pass mesh= too (jstd.sharding.mesh())")
@@ -171,12 +173,6 @@ def placer(skeleton, mesh: Mesh | None, rules: Rules | None = None) -> Callable[
 
     place.shards = shards
     return place
-
-
-def _get(tree, path: str):
-    for part in path.split("."):
-        tree = tree[int(part)] if part.isdigit() else getattr(tree, part)
-    return tree
 
 
 def batch_sharding(mesh: Mesh, rules: Rules = FSDP, ndim: int = 2) -> NamedSharding:
