@@ -228,3 +228,56 @@ def test_generate_command_streams_the_greedy_tokens_of_transformers(capsys):
         want = AutoModelForCausalLM.from_pretrained(induction).eval().generate(ids, max_new_tokens=6, do_sample=False)
     assert main(["generate", str(induction), prompt, "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out == proc.decode(want[0], skip_special_tokens=True) + "\n"
+
+
+def _decoding_loop(hlo: str, carried: str) -> list[str]:
+    """The instructions of the optimized program's decoding loop (the ENTRY ``while`` whose state holds
+    ``carried``, a shape like ``f32[6,2,512]``) and of the loops inside it, fusions' insides excluded."""
+    blocks, name = {}, None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.endswith("{"):
+            name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            blocks[name] = []
+        elif name and line.startswith("  "):
+            blocks[name].append(line)
+    entry = next(n for n in blocks if any(" while(" in l for l in blocks[n]) and hlo.find("ENTRY %" + n) >= 0)
+    loop = next(l for l in blocks[entry] if " while(" in l and carried in l)
+    found, todo = [], [loop.split("body=%")[1].split(",")[0].split()[0]]
+    while todo:
+        body = blocks[todo.pop()]
+        found += body
+        todo += [l.split("body=%")[1].split(",")[0].split()[0] for l in body if " while(" in l]
+    return found
+
+
+def test_the_decoding_loop_reads_every_weight_where_it_lies(llama):
+    """No instruction of the compiled decoding loop makes an array of a block weight's size: each step reads the
+    weights as stored (no copy out of the stacked arrays, no transposed copy for a product)."""
+    import importlib
+    import re
+
+    generate = importlib.import_module("jstd.generate")
+    _, _, model, _, _ = llama
+    tokens, mask = left_padded(model, seed=6)
+    sizes = {int(np.prod(a.shape[1:])) for a in jax.tree.leaves(model.layers) if a.ndim >= 3}
+    compiled = {}
+    real = generate._jit_generate
+
+    def spy(dynamic, structure, static):
+        compiled["hlo"] = real.lower(dynamic, structure, static).compile().as_text()
+        return real(dynamic, structure, static)
+
+    generate._jit_generate = spy
+    try:
+        jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[-1])
+    finally:
+        generate._jit_generate = real
+    vocab = model.config.vocab_size
+    loop = _decoding_loop(compiled["hlo"], f"f32[{NEW},{tokens.shape[0]},{vocab}]")
+    made = []
+    for line in loop:
+        m = re.match(r"\s+%(\S+) = \w+\[([\d,]*)\]\S* (\S+?)\(", line)
+        if m and m.group(3) not in ("parameter", "get-tuple-element", "bitcast", "dot", "tuple"):
+            if int(np.prod([int(d) for d in m.group(2).split(",") if d])) in sizes:
+                made.append(line.strip()[:160])
+    assert loop and not made, "the decoding loop copies weights:\n" + "\n".join(made)

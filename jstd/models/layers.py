@@ -20,6 +20,7 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from jstd.io.namemap import Entry, linear, split, split_in, split_out
@@ -234,11 +235,16 @@ class Attention(eqx.Module):
     )
 
     def project(self, x, w, b, norm=None):
-        if norm is None:
+        if x.shape[1] == 1:  # one position per row (a decoding step): see _row_product
+            y = _row_product(x, w)
+        elif norm is None:
             y = jnp.einsum("bte,ehd->bhtd", x, w)
             return y if b is None else y + b[None, :, None, :]
-        y = jnp.einsum("bte,ehd->bthd", x, w)
+        else:
+            y = jnp.einsum("bte,ehd->bthd", x, w)
         y = y if b is None else y + b
+        if norm is None:
+            return jnp.swapaxes(y, 1, 2)
         batch, seq, heads, dim = y.shape
         if norm.weight.shape[-1] == dim:  # one head wide: a norm per head
             return jnp.swapaxes(norm(y), 1, 2)
@@ -270,6 +276,8 @@ class Attention(eqx.Module):
             heads = attn_kernels.fused(q, k, v, self.scale, mask)
         heads = s("self_attn.attention_head_outputs", heads)
         heads = s("self_attn.attention_premix", self.gated(heads, x))
+        if heads.shape[1] == 1:  # one position (a decoding step): see _row_product
+            return _bias(_row_product(heads, self.o, 2), self.o_bias)
         return _bias(jnp.einsum("bthd,hde->bte", heads, self.o), self.o_bias)
 
     def entries(self, names=None) -> list[Entry]:
@@ -296,6 +304,20 @@ class Attention(eqx.Module):
             b(heads, head_dim), b(kv_heads, head_dim), b(kv_heads, head_dim),
             shape(embed, dtype=dtype) if o_bias else None, scale, norm(heads), norm(kv_heads),
         )
+
+
+def _row_product(x: Array, w: Array, contracted: int = 1) -> Array:
+    """``x``'s last ``contracted`` axes times ``w``'s first ones as one flat product (rows times a matrix): the
+    einsum's value, for one position per row (a decoding step).
+
+    There an einsum into or out of the heads lets XLA:CPU's layout assignment lay the product out head-major and
+    transpose the *weight* to match: a copy of every q/k/v/o weight at every step, inside the decoding loop
+    (layout assignment runs after loop-invariant code motion). The flat product reads each weight as stored
+    (``test_the_decoding_loop_reads_every_weight_where_it_lies``).
+    """
+    inner = int(np.prod(w.shape[:contracted]))
+    flat = x.reshape(-1, inner) @ w.reshape(inner, -1)
+    return flat.reshape(*x.shape[: x.ndim - contracted], *w.shape[contracted:])
 
 
 RAW_OUTPUT = {"self_attn": "self_attn.attention_raw_output", "mlp": "mlp.mlp_raw_output"}

@@ -65,6 +65,22 @@ class BlockScope:
         return {k: v for scope in self._scopes.values() for k, v in scope.records.items()}
 
 
+class Rows(eqx.Module):
+    """A slot's blocks one by one instead of stacked (``Stack.unstacked``): ``rows[j]`` is row ``j``."""
+
+    rows: tuple
+
+    def has(self, host: str) -> bool:
+        return self.rows[0].has(host)
+
+    def sites(self) -> frozenset[str]:
+        return self.rows[0].sites()
+
+    @property
+    def attn(self):
+        return self.rows[0].attn
+
+
 class Stack(eqx.Module):
     """Blocks stored by period slot (``slots[q]``: blocks ``q, q + p, …`` stacked), run in block order.
 
@@ -147,7 +163,9 @@ class Stack(eqx.Module):
             output is appended to ``outs``."""
             records = []
             for q in range(width):
-                block = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), self.slots[q])
+                slot = self.slots[q]
+                block = slot.rows[j] if isinstance(slot, Rows) else jax.tree.map(
+                    lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), slot)
                 host = block.attn.host
                 past = pasts.get(host)
                 if past is not None:
@@ -197,7 +215,15 @@ class Stack(eqx.Module):
             streams = {i: jnp.where(j == i // p, outs[i % p], v) for i, v in streams.items()}
             return (h, keep_single(kept, records, j), streams), records
 
-        (h, kept, streams), period_reads = jax.lax.scan(body, (h, kept, streams), jnp.arange(n))
+        if isinstance(self.slots[0], Rows):  # unstacked: every period unrolled, each block's own arrays
+            carry, period_reads = (h, kept, streams), []
+            for j in range(n):
+                carry, records = body(carry, j)
+                period_reads.append(records)
+            (h, kept, streams) = carry
+            period_reads = jax.tree.map(lambda *x: jnp.stack(x), *period_reads)
+        else:
+            (h, kept, streams), period_reads = jax.lax.scan(body, (h, kept, streams), jnp.arange(n))
         tail_reads = []
         if tail:
             outs.clear()
@@ -216,6 +242,14 @@ class Stack(eqx.Module):
                 value = jnp.concatenate([value, jnp.stack(extra)])
             reads[site] = value
         return (h, reads, [streams[i] for i in keep]) if keep else (h, reads)
+
+    def unstacked(self, take: Callable | None = None) -> "Stack":
+        """The same stack with each slot's blocks held one by one (``Rows``) and run unrolled, not scanned: each
+        block reads its own arrays. ``take(a, j)``: row ``j`` of a stacked array (default ``a[j]``)."""
+        take = take or (lambda a, j: a[j])
+        rows = lambda slot: Rows(tuple(jax.tree.map(lambda a: take(a, j), slot)
+                                       for j in range(jax.tree.leaves(slot)[0].shape[0])))
+        return dataclasses.replace(self, slots=tuple(rows(slot) for slot in self.slots))
 
     # ---- building --------------------------------------------------------------
     @classmethod
