@@ -41,7 +41,7 @@ from jaxtyping import Array, Float
 from jstd.kernels.select import gated_delta_rule  # the kernel for the backend (jstd/kernels/select.py)
 from jstd.io.namemap import Entry, linear, split_in, split_out
 from jstd.models.base import param, shape
-from jstd.models.layers import RMSNorm, activation
+from jstd.models.layers import RMSNorm, activation, flat_product
 from jstd.tap import Taps
 
 SITE = "linear_attn."
@@ -117,7 +117,7 @@ class GatedDeltaNet(eqx.Module):
         if mask is not None:
             x = x * mask[..., None].astype(x.dtype)
         act = activation(self.act)
-        proj = lambda x, w: jnp.einsum("bte,ehd->bthd", x, w)
+        proj = flat_product  # x [batch, seq, embed] times w [embed, heads, dim]
         earlier = None if past is None else past[1].astype(x.dtype)
         conv = lambda w, c: causal_conv(proj(x, w), c, None if earlier is None else proj(earlier, w))
         q = s(SITE + "attention_queries", act(conv(self.q, self.q_conv)))
@@ -148,7 +148,7 @@ class GatedDeltaNet(eqx.Module):
 
         gate = proj(x, self.gate)
         y = (self.o_norm(y).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(y.dtype)
-        return jnp.einsum("bthd,hde->bte", y, self.o)
+        return flat_product(y, self.o, 2)
 
     def entries(self, names=None) -> list[Entry]:
         """transformers' names, in the layout ``names["linear_attn_layout"]`` gives.

@@ -235,8 +235,8 @@ class Attention(eqx.Module):
     )
 
     def project(self, x, w, b, norm=None):
-        if x.shape[1] == 1:  # one position per row (a decoding step): see _row_product
-            y = _row_product(x, w)
+        if x.shape[1] == 1:  # one position per row (a decoding step): see flat_product
+            y = flat_product(x, w)
         elif norm is None:
             y = jnp.einsum("bte,ehd->bhtd", x, w)
             return y if b is None else y + b[None, :, None, :]
@@ -276,8 +276,8 @@ class Attention(eqx.Module):
             heads = attn_kernels.fused(q, k, v, self.scale, mask)
         heads = s("self_attn.attention_head_outputs", heads)
         heads = s("self_attn.attention_premix", self.gated(heads, x))
-        if heads.shape[1] == 1:  # one position (a decoding step): see _row_product
-            return _bias(_row_product(heads, self.o, 2), self.o_bias)
+        if heads.shape[1] == 1:  # one position (a decoding step): see flat_product
+            return _bias(flat_product(heads, self.o, 2), self.o_bias)
         return _bias(jnp.einsum("bthd,hde->bte", heads, self.o), self.o_bias)
 
     def entries(self, names=None) -> list[Entry]:
@@ -306,14 +306,14 @@ class Attention(eqx.Module):
         )
 
 
-def _row_product(x: Array, w: Array, contracted: int = 1) -> Array:
+def flat_product(x: Array, w: Array, contracted: int = 1) -> Array:
     """``x``'s last ``contracted`` axes times ``w``'s first ones as one flat product (rows times a matrix): the
-    einsum's value, for one position per row (a decoding step).
+    einsum's value, e.g. ``bte,ehd->bthd`` or ``bthd,hde->bte``.
 
-    There an einsum into or out of the heads lets XLA:CPU's layout assignment lay the product out head-major and
-    transpose the *weight* to match: a copy of every q/k/v/o weight at every step, inside the decoding loop
-    (layout assignment runs after loop-invariant code motion). The flat product reads each weight as stored
-    (``test_the_decoding_loop_reads_every_weight_where_it_lies``).
+    For a few positions per row (a decoding step) an einsum into or out of the heads lets XLA:CPU's layout
+    assignment lay the product out head-major and transpose the *weight* to match: a copy of each such weight at
+    every step, inside the decoding loop (layout assignment runs after loop-invariant code motion). The flat
+    product reads each weight as stored (``test_the_decoding_loop_reads_every_weight_where_it_lies``).
     """
     inner = int(np.prod(w.shape[:contracted]))
     flat = x.reshape(-1, inner) @ w.reshape(inner, -1)
