@@ -5,6 +5,7 @@ atomic and resumable, other settings are refused, write errors surface."""
 import errno
 import importlib
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -143,7 +144,7 @@ def test_edits_and_dtype(setup, tmp_path):
     assert np.abs(plain("layers.layer_output", r.document, r.position) - want).max() > 1e-2
 
 
-def test_sources_dataset_inputs_and_cli(setup, collected, tmp_path):
+def test_sources_dataset_inputs_and_cli(setup, collected, tmp_path, monkeypatch):
     model, tok, texts = setup
 
     class Columns:  # datasets.Dataset's interface as collect uses it: column_names and dataset[column]
@@ -165,6 +166,22 @@ def test_sources_dataset_inputs_and_cli(setup, collected, tmp_path):
     cli = jstd.ActivationDataset(tmp_path / "cli")
     np.testing.assert_array_equal(cli.rows.document, collected.rows.document)
     assert_close(cli.read("layers.layer_output"), collected.read("layers.layer_output"))
+
+    # --dataset DIR --split: a DatasetDict saved with save_to_disk, read through datasets.load_from_disk (stood in
+    # for here: the package is not a test dependency)
+    saved = tmp_path / "saved"
+    fake = type(sys)("datasets")
+    opened = []
+    fake.load_from_disk = lambda path: opened.append(Path(path)) or {"train": Columns()}
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    args = ["collect", str(INDUCTION), "--sites", *SITES, "--out", str(tmp_path / "cli-dataset"), "--batch-size", "4",
+            "--max-length", str(MAX), "--shard-mb", "0.01"]
+    assert jstd.cli.main(args + ["--dataset", str(saved), "--split", "train"]) == 0 and opened == [saved]
+    from_dataset = jstd.ActivationDataset(tmp_path / "cli-dataset")
+    np.testing.assert_array_equal(from_dataset.rows.document, collected.rows.document)
+    np.testing.assert_array_equal(from_dataset.read("layers.layer_output"), cli.read("layers.layer_output"))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    assert jstd.cli.main(args + ["--dataset", str(saved)]) == 1
 
     # pre-tokenized rows, right-padded: each row a document, its mask says where it ends
     ids = [tok(t)["input_ids"][:MAX] for t in texts[:5]]
