@@ -10,11 +10,13 @@ decoding of ``--new`` tokens (default 128) after a ``--prompt``-token prompt
   process, and whether their tokens agree;
 - the per-token time against the memory-bandwidth bound: the weights' bytes
   read once per token at this machine's read bandwidth (measured here: a
-  jitted sum over a 256 MiB array);
+  jitted sum over a 256 MiB array, whole or in two rows);
 - flatness: the best time of decode steps 1-32 and of the last 32 steps,
   each step run alone (``jstd.generate.stream``'s jitted step, the same
   forward over the same preallocated cache as ``generate``'s loop);
-- a sweep: 8 steering strengths in one vmapped ``generate`` against 8 calls.
+- a sweep: 8 steering strengths in one vmapped ``generate`` against 8 calls;
+- what bounds the sweep: an 8-row product against a one-row product on
+  weights read from memory (a chain through 72 distinct weights).
 
     python benchmarks/generate.py [--new 128] [--prompt 16] [--repeats 3]
 """
@@ -33,17 +35,46 @@ from forward import llama_config
 
 
 def read_bandwidth(mib: int = 256) -> float:
-    """Bytes per second of reading a device array once (a jitted sum over ``mib`` MiB, best of 5): what a
-    decoding step does with the weights. (A copy ``x + 0`` into a fresh buffer measured page faults, not
-    bandwidth: 4.0-4.4 GB/s here against 30 GB/s read.)"""
+    """Bytes per second of reading a device array once: the faster of a jitted sum over ``mib`` MiB and of the
+    same split in two rows (best of 5 each): what a decoding step does with the weights. (A copy ``x + 0`` into a
+    fresh buffer measured page faults, not bandwidth: 4.0-4.4 GB/s here against 19-24 GB/s read.)"""
     import jax
     import jax.numpy as jnp
 
     x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    best = min(_timed(lambda: total(x).block_until_ready()) for _ in range(5))
+    best = float("inf")
+    for read in (jax.jit(jnp.sum), jax.jit(lambda x: x.reshape(2, -1).sum(1))):
+        read(x).block_until_ready()
+        best = min(best, *(_timed(lambda: read(x).block_until_ready()) for _ in range(5)))
     return x.nbytes / best
+
+
+def product_times(rows=(1, 8), count: int = 36, embed: int = 512, mlp: int = 1408) -> dict:
+    """Milliseconds per ``[rows, embed] @ [embed, mlp]`` product (and back) on weights read from memory: a chain
+    through ``count`` pairs of distinct weights (2 x 36 x 2.75 MiB, past the caches), five times, best of 3."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ups = [jnp.asarray(rng.normal(size=(embed, mlp)).astype(np.float32) * 0.03) for _ in range(count)]
+    downs = [jnp.asarray(rng.normal(size=(mlp, embed)).astype(np.float32) * 0.03) for _ in range(count)]
+
+    @jax.jit
+    def chain(ups, downs, x):
+        def body(_, x):
+            for up, down in zip(ups, downs):
+                x = x + jnp.tanh(x @ up) @ down * 0.01
+            return x
+        return jax.lax.fori_loop(0, 5, body, x)
+
+    out = {}
+    for n in rows:
+        x = jnp.ones((n, embed), jnp.float32)
+        chain(ups, downs, x).block_until_ready()
+        best = min(_timed(lambda: chain(ups, downs, x).block_until_ready()) for _ in range(3))
+        out[n] = best / (5 * 2 * count) * 1e3
+    return out
 
 
 def _timed(fn) -> float:
@@ -124,6 +155,8 @@ def main():
     t_swept = common.timeit(lambda: swept(strengths).tokens.block_until_ready(), args.repeats, 1)
     t_loop = common.timeit(lambda: [steer(s).tokens.block_until_ready() for s in strengths], args.repeats, 1)
 
+    products = product_times((1, args.sweep))
+
     print_table(f"## Generation ({jax.default_backend()}, batch 1, {args.prompt}-token prompt, {new} new tokens)", [
         ("greedy decoding, tokens per second (jstd / transformers generate)", f"{t_torch / t_jstd:.2f}x",
          f"jstd {new / t_jstd:,.1f} tok/s, transformers {new / t_torch:,.1f} tok/s; first call (compile) "
@@ -136,6 +169,9 @@ def main():
          f"vs {statistics.median(steps[1:33]) * 1e3:.2f} ms; steps run one at a time)"),
         (f"{args.sweep} steering strengths: {args.sweep} calls / one vmapped call", f"{t_loop / t_swept:.2f}x",
          f"{t_loop:.2f} s vs {t_swept:.2f} s"),
+        (f"a [{args.sweep}, 512] @ [512, 1408] product / a [1, 512] one, weights from memory",
+         f"{products[args.sweep] / products[1]:.2f}x",
+         f"{products[args.sweep]:.3f} ms vs {products[1]:.3f} ms: what bounds the sweep ({args.sweep} / this)"),
     ])
 
 

@@ -13,7 +13,9 @@ step's position; DeltaNet blocks: the recurrent state and the convolution's
 last inputs, replaced each step; the one-token step runs the recurrent
 gated-delta kernel). Decoding never recomputes the prefix, and every step has
 the same cost whatever its position: the cache has its final length from the
-start (entries at or after the step's position are masked).
+start (entries at or after the step's position are masked). On the CPU the
+loop runs the blocks unrolled, each over views of its own rows of the stacked
+weights (``_with_rows``), so a step reads every weight once, where it lies.
 
 The contract: *each step's logits equal ``jstd.run`` on the whole sequence so
 far with the same edits* (the prompt's padding mask followed by ones). An
