@@ -188,15 +188,19 @@ def test_sampling_filters_as_transformers_and_is_reproducible(llama):
     np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(greedy.tokens))
 
 
-@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("name", families.WRAPPERS)
 def test_wrappers_generate_after_the_image_as_transformers(zoo, name):
-    """Image features in the prefill only; M-RoPE positions keep counting past the image."""
+    """Every wrapper: image features in the prefill only; M-RoPE positions keep counting past the image; rows stop
+    at the checkpoint's EOS ids (jstd's default), as transformers' do with the same ids."""
     _, _, model, ref, spec = zoo(name)
     inputs, arrays = spec.inputs(model, seed=1, counts=(1, 1))
-    gen = jstd.generate(model, inputs, max_new_tokens=NEW, eos_token_id=())  # no row stops (nor does torch's here)
-    want_tokens, want_logits = torch_generate(ref, arrays)
-    np.testing.assert_array_equal(np.asarray(gen.tokens), want_tokens)
-    assert_close(gen.logits, want_logits, 1e-5, f"{name}: step logits")
+    gen = jstd.generate(model, inputs, max_new_tokens=NEW, pad_token_id=0)
+    eos = list(model.config.eos_token_ids)
+    want_tokens, want_logits = torch_generate(ref, arrays, **({"eos_token_id": eos} if eos else {}))
+    done = want_tokens.shape[1]  # transformers stops when every row has
+    np.testing.assert_array_equal(np.asarray(gen.tokens)[:, :done], want_tokens)
+    assert (np.asarray(gen.tokens)[:, done:] == 0).all(), f"{name}: tokens after every row stopped"
+    assert_close(gen.logits[:, :want_logits.shape[1]], want_logits, 1e-5, f"{name}: step logits")
 
 
 def test_generate_errors_name_the_problem(llama):
