@@ -23,18 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from load import MEMORY, WARM, checkpoint  # noqa: E402
+from load import MEMORY, TIMED_LOAD, WARM, checkpoint  # noqa: E402
 
-LOAD = MEMORY + """
-import jax, jax.numpy as jnp, numpy as np, jstd
-{imports}
-jnp.ones(3).block_until_ready()
-base = current() if reset_peak() else peak()
-t = time.perf_counter()
-model = jstd.load({folder!r})
-jax.block_until_ready(model)
-load = time.perf_counter() - t
-added = peak() - base
+LOAD = TIMED_LOAD + """added = peak() - base
 t = time.perf_counter()  # then one pass over every weight on the host (a mapped page faulted in would show here)
 total = sum(float(np.asarray(x).sum(dtype=np.float64)) for x in jax.tree.leaves(model))
 touch = time.perf_counter() - t

@@ -81,8 +81,9 @@ class NoTorch(importlib.machinery.PathFinder):
 sys.meta_path = [NoTorch if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
 """
 
-# {prelude}: NO_TORCH or nothing; {imports}: what is imported before the baseline
-JSTD = """{prelude}""" + MEMORY + """
+# a fresh process's timed ``jstd.load({folder})``: ``base`` (memory before), ``model``, ``load`` (seconds);
+# {imports}: what is imported before the baseline
+TIMED_LOAD = MEMORY + """
 import jax, jax.numpy as jnp, numpy as np, jstd
 {imports}
 jnp.ones(3).block_until_ready()
@@ -91,7 +92,10 @@ t = time.perf_counter()
 model = jstd.load({folder!r})
 jax.block_until_ready(model)
 load = time.perf_counter() - t
-top = peak()
+"""
+
+# {prelude}: NO_TORCH or nothing
+JSTD = """{prelude}""" + TIMED_LOAD + """top = peak()
 tokens = np.arange({n}).reshape({shape}) % 1000
 t = time.perf_counter()
 jax.block_until_ready(jax.jit(jstd.run)(model, tokens).logits)

@@ -235,13 +235,10 @@ class Attention(eqx.Module):
     )
 
     def project(self, x, w, b, norm=None):
-        if x.shape[1] == 1:  # one position per row (a decoding step): see flat_product
-            y = flat_product(x, w)
-        elif norm is None:
+        if norm is None and x.shape[1] > 1:  # head-major straight out of the product
             y = jnp.einsum("bte,ehd->bhtd", x, w)
             return y if b is None else y + b[None, :, None, :]
-        else:
-            y = jnp.einsum("bte,ehd->bthd", x, w)
+        y = flat_product(x, w)  # [batch, seq, heads, head_dim]; one position (a decoding step): see flat_product
         y = y if b is None else y + b
         if norm is None:
             return jnp.swapaxes(y, 1, 2)
@@ -276,9 +273,7 @@ class Attention(eqx.Module):
             heads = attn_kernels.fused(q, k, v, self.scale, mask)
         heads = s("self_attn.attention_head_outputs", heads)
         heads = s("self_attn.attention_premix", self.gated(heads, x))
-        if heads.shape[1] == 1:  # one position (a decoding step): see flat_product
-            return _bias(flat_product(heads, self.o, 2), self.o_bias)
-        return _bias(jnp.einsum("bthd,hde->bte", heads, self.o), self.o_bias)
+        return _bias(flat_product(heads, self.o, 2), self.o_bias)
 
     def entries(self, names=None) -> list[Entry]:
         """``names["out"]``: the output projection's name (``o_proj``; ``out_proj`` on CLIP and SigLIP)."""

@@ -243,10 +243,9 @@ class Stack(eqx.Module):
             reads[site] = value
         return (h, reads, [streams[i] for i in keep]) if keep else (h, reads)
 
-    def unstacked(self, take: Callable | None = None) -> "Stack":
+    def unstacked(self, take: Callable) -> "Stack":
         """The same stack with each slot's blocks held one by one (``Rows``) and run unrolled, not scanned: each
-        block reads its own arrays. ``take(a, j)``: row ``j`` of a stacked array (default ``a[j]``)."""
-        take = take or (lambda a, j: a[j])
+        block reads its own arrays. ``take(a, j)``: row ``j`` of a stacked array."""
         rows = lambda slot: Rows(tuple(jax.tree.map(lambda a: take(a, j), slot)
                                        for j in range(jax.tree.leaves(slot)[0].shape[0])))
         return dataclasses.replace(self, slots=tuple(rows(slot) for slot in self.slots))
