@@ -33,7 +33,7 @@ test: $(VENV)/.test
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 docs: $(VENV)/.core
-	$(PY) -c 'from jstd.sites import values_markdown; print(values_markdown(), end="")' > docs/values.md
+	$(PY) -c 'from jstd.families import values_markdown; print(values_markdown(), end="")' > docs/values.md
 
 bench: $(VENV)/.bench
 	for b in forward patching gated_delta olmo_hybrid qwen3_5 vision; do $(PY) benchmarks/$$b.py; done

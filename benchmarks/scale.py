@@ -38,7 +38,7 @@ import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, numpy as np
 import jstd
-from jstd.io.load import hf_config
+from jstd.io.hf import hf_config
 from jstd.io.safetensors import SafetensorsFiles
 folder = {folder!r}
 jax.devices()

@@ -494,7 +494,7 @@ def qwen_profile(model, inputs, merged, ref, x, thw, reps: int):
     import torch
 
     from common import time_interleaved
-    from jstd.tap import Tap
+    from jstd.core.tap import Tap
     from jstd.vision.qwen_vit import packing
 
     every_block = QWEN_MERGED + ("vision.layers.layer_output",)
@@ -570,7 +570,7 @@ def main():
         if args.profile:
             profile_pieces(*out, args.repeats)
     if "idefics3" in parts:
-        from jstd.models import FAMILIES
+        from jstd.families import FAMILIES
 
         if "idefics3" not in FAMILIES:
             print("idefics3: not measured (jstd has no idefics3 family in this checkout)")

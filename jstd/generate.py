@@ -44,12 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from jstd.context import KEYS, MIXER_INPUTS, VALUES, POSITIONS, Context
-from jstd.edits import as_edits, check_left_padded, site_axes
-from jstd.inputs import Inputs, as_inputs, token_array, with_layout
+from jstd.core.context import KEYS, MIXER_INPUTS, VALUES, POSITIONS, Context
+from jstd.core.edits import as_edits, check_left_padded, site_axes
+from jstd.core.inputs import Inputs, as_inputs, token_array, with_layout
+from jstd.core.jit import combine, partition
 from jstd.models.base import Model
-from jstd.run import _forward, _split, as_reads, check_sites, run
-from jstd.sites import SITES, SiteError, parse
+from jstd.run import as_reads, check_sites, forward, run
+from jstd.core.sites import SITES, SiteError, parse
 
 STATE_OUTPUT = "layers.linear_attn.state_output"
 _IMAGE_PREFIXES = ("vision.", "projector.")
@@ -214,7 +215,7 @@ def generate(
         pad = jnp.asarray(pad_token_id, jnp.int32)
     key = jax.random.key(0) if key is None else key
     tree = (model, _with_rows(model), inputs, edits, sampling, key, eos, pad)
-    dynamic, fixed, treedef = _split(tree)
+    dynamic, fixed, treedef = partition(tree)
     return _jit_generate(dynamic, (treedef, fixed), (max_new_tokens, reads))
 
 
@@ -273,8 +274,7 @@ def _edits_at(edits: tuple, start, length: int, prefill: bool) -> tuple:
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _jit_generate(dynamic: list, structure: tuple, static: tuple) -> Generation:
     treedef, fixed = structure
-    tree = jax.tree.unflatten(treedef, [s if a is None else a for a, s in zip(dynamic, fixed)])
-    return _generate(*tree, *static)
+    return _generate(*combine(dynamic, fixed, treedef), *static)
 
 
 def _one_position(name: str, value: Array, at) -> Array:
@@ -350,7 +350,7 @@ def decode(model, cache: Cache, token: Int[Array, "batch"], at, edits: tuple, re
     ``edits``, reading ``reads``, and the cache with the token's keys, values and state written in."""
     decoder = getattr(model, "text", model)  # a wrapper's text model: the image is in the cache already
     all_reads = tuple(dict.fromkeys(_cache_reads(model) + reads))
-    step = _forward(decoder, Inputs(token[:, None], None), _edits_at(edits, at, 1, False), cache.context(at), all_reads)
+    step = forward(decoder, Inputs(token[:, None], None), _edits_at(edits, at, 1, False), cache.context(at), all_reads)
     keys, values, states, conv = cache.keys, cache.values, cache.states, cache.conv
     if keys is not None:
         keys = jax.lax.dynamic_update_slice_in_dim(keys, step[KEYS].astype(keys.dtype), at, axis=3)
@@ -437,71 +437,6 @@ def _b(name: str) -> int:
     """Where a read's new-token axis goes: right after its batch axis (first when it has none)."""
     b = _batch_axis(name)
     return b + 1 if b >= 0 else 0
-
-
-def generation_config(path_or_repo_id) -> dict:
-    """A checkpoint's generation defaults: ``{"eos_token_id": tuple of ids, "pad_token_id": int or None}`` from its
-    ``generation_config.json`` (else its ``config.json``, a wrapper's ``text_config`` too); ids absent are
-    ``()`` / None. Pass them to ``generate``."""
-    import json
-
-    from jstd.io.hub import resolve
-
-    folder = resolve(path_or_repo_id)
-    found: dict = {}
-    for name in ("generation_config.json", "config.json"):
-        path = folder / name
-        if not path.exists():
-            continue
-        data = json.loads(path.read_text())
-        for source in (data, data.get("text_config") or {}):
-            for field in ("eos_token_id", "pad_token_id"):
-                if found.get(field) is None and source.get(field) is not None:
-                    found[field] = source[field]
-    eos = found.get("eos_token_id")
-    eos = () if eos is None else tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
-    pad = found.get("pad_token_id")
-    return {"eos_token_id": eos, "pad_token_id": None if pad is None else int(pad)}
-
-
-# ---- the command line ------------------------------------------------------------------------------------------
-
-def add_arguments(subparsers) -> None:
-    p = subparsers.add_parser("generate", help="generate text from a prompt (greedy or sampled), streaming tokens")
-    p.add_argument("path", help="a checkpoint folder or hub repo id")
-    p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="how many tokens to generate (default 32)")
-    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set reaching this mass")
-    p.add_argument("--seed", type=int, default=0, help="the sampling key's seed (default 0)")
-    p.add_argument("--dtype", default=None, help="the parameters' dtype (float32, bfloat16, ...)")
-
-
-def command(args) -> int:
-    """``jstd generate PATH PROMPT``: prints the (tokenized, decoded) prompt, then each new token as it comes (one step at a time: the
-    cache stays on the device between steps), then a newline."""
-    from jstd.io.load import load
-    from jstd import load_processor
-
-    model = load(args.path, dtype=args.dtype)
-    tokenizer = load_processor(args.path)
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-    ids = np.asarray(tokenizer(args.prompt, return_tensors="np")["input_ids"])
-    sampled = any(v is not None for v in (args.temperature, args.top_k, args.top_p))
-    sampling = Sampling(args.temperature or 1.0, args.top_k, args.top_p) if sampled else None
-    key = jax.random.key(args.seed)
-    prompt = list(ids[0])
-    shown = tokenizer.decode(prompt, skip_special_tokens=True)
-    sys.stdout.write(shown)
-    sys.stdout.flush()
-    for tokens in stream(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, key=key):
-        text = tokenizer.decode(prompt + tokens, skip_special_tokens=True)  # decoded whole: spaces as in the text
-        sys.stdout.write(text[len(shown):])
-        sys.stdout.flush()
-        shown = text
-    sys.stdout.write("\n")
-    return 0
 
 
 def stream(model, inputs, *, max_new_tokens: int, sampling=None, key=None, eos_token_id=None):

@@ -13,12 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jstd.context import Context, check_context
-from jstd.edits import as_edits, block_ranges, check_layer, check_left_padded
-from jstd.inputs import Inputs, as_inputs, token_array, with_layout
+from jstd.core.context import Context, check_context
+from jstd.core.edits import as_edits, block_ranges, check_layer, check_left_padded
+from jstd.core.inputs import Inputs, as_inputs, token_array, with_layout
+from jstd.core.jit import combine, partition
 from jstd.models.base import Model
-from jstd.sites import SITES, SiteError, near, parse
-from jstd.tap import Tap
+from jstd.core.sites import SITES, SiteError, near, parse
+from jstd.core.tap import Tap
 
 
 class Outputs(eqx.Module):
@@ -71,7 +72,7 @@ def check_sites(model: Model, names: Sequence[str], what: str) -> None:
 
 class _ModelMemo(NamedTuple):
     """What ``run`` keeps about one model object: the names ``check_sites`` passed, and the model split for the
-    jit (``_split``), so a repeated call neither walks its blocks nor flattens it."""
+    jit (``partition``), so a repeated call neither walks its blocks nor flattens it."""
 
     served: set[str]
     split: tuple
@@ -84,7 +85,7 @@ def _memo(model: Model) -> _ModelMemo:
     entry = _MEMOS.get(id(model))
     if entry is None or entry[0]() is not model:
         drop = lambda _, key=id(model): _MEMOS.pop(key, None)
-        entry = _MEMOS[id(model)] = (weakref.ref(model, drop), _ModelMemo(set(), _split(model)))
+        entry = _MEMOS[id(model)] = (weakref.ref(model, drop), _ModelMemo(set(), partition(model)))
     return entry[1]
 
 
@@ -197,7 +198,7 @@ def as_reads(reads) -> tuple[str, ...]:
 
 
 def _compiled(model: Model, inputs: Inputs, edits: tuple, context: Context | None, reads: tuple[str, ...]) -> Outputs:
-    """``_forward`` through one jit cached on the call's structure, so an eager ``run`` costs what a jitted one does.
+    """``forward`` through one jit cached on the call's structure, so an eager ``run`` costs what a jitted one does.
 
     Every array-like leaf (arrays, numpy arrays, Python numbers: the weights,
     the inputs, the edits' values, layers and selections, the context) is a
@@ -210,12 +211,12 @@ def _compiled(model: Model, inputs: Inputs, edits: tuple, context: Context | Non
     Unhashable static leaves run without the cache.
     """
     model_dynamic, model_fixed, model_def = _memo(model).split  # a model object is split once
-    dynamic, fixed, treedef = _split((inputs, edits, context))
+    dynamic, fixed, treedef = partition((inputs, edits, context))
     structure = (model_def, model_fixed, treedef, fixed)
     try:
         hash(structure)
     except TypeError:
-        return _forward(model, inputs, edits, context, reads)
+        return forward(model, inputs, edits, context, reads)
     try:
         return _jit_forward(model_dynamic, dynamic, structure, reads)
     except jax.errors.JaxRuntimeError as error:  # an eager call's failed check: its own message as the first line
@@ -229,23 +230,14 @@ def _compiled(model: Model, inputs: Inputs, edits: tuple, context: Context | Non
 _CHECK_FAILED = re.compile(r"EquinoxRuntimeError: (.*?)(?:\n\s*\n|-{10}|$)", re.S)
 
 
-def _split(tree) -> tuple[list, tuple, jax.tree_util.PyTreeDef]:
-    """``tree``'s array-like leaves (None in the other places), its other leaves (None in the arrays' places), and
-    its structure."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return ([x if eqx.is_array_like(x) else None for x in leaves],
-            tuple(None if eqx.is_array_like(x) else x for x in leaves), treedef)
-
-
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _jit_forward(model_dynamic: list, dynamic: list, structure: tuple, reads: tuple[str, ...]) -> Outputs:
     model_def, model_fixed, treedef, fixed = structure
-    join = lambda d, f, t: jax.tree.unflatten(t, [s if a is None else a for a, s in zip(d, f)])
-    return _forward(join(model_dynamic, model_fixed, model_def), *join(dynamic, fixed, treedef), reads)
+    return forward(combine(model_dynamic, model_fixed, model_def), *combine(dynamic, fixed, treedef), reads)
 
 
-def _forward(model: Model, inputs: Inputs, edits: tuple, context: Context | None, reads: tuple[str, ...]) -> Outputs:
-    """The forward of checked arguments: taps for ``reads`` and ``edits``, the model's forward, the reads by name."""
+def forward(model: Model, inputs: Inputs, edits: tuple, context: Context | None, reads: tuple[str, ...]) -> Outputs:
+    """The forward of checked arguments (what ``run`` calls once it has checked them; no check here): taps for ``reads`` and ``edits``, the model's forward, the reads by name."""
     bases = frozenset(parse(r)[0] for r in reads) | ({"logits"} if "next_token_probs" in reads else frozenset())
     num_blocks = {s: len(model.blocks_for(s)) for s in model.sites if SITES[s].per_block}
     depths = {prefix: stack.depth for prefix, stack in model.stacks.items()}
@@ -278,7 +270,7 @@ def _forward(model: Model, inputs: Inputs, edits: tuple, context: Context | None
 
 
 def _check_layer(model: Model, edit):
-    """``edit`` with its ``layer`` checked (``jstd.edits.check_layer``); the caller uses the edit returned.
+    """``edit`` with its ``layer`` checked (``jstd.core.edits.check_layer``); the caller uses the edit returned.
 
     A concrete bad layer (out of ``-L..L-1``, a block without the site's host,
     not one integer) raises SiteError now; a traced one (``jax.jit(jstd.run)``,

@@ -41,9 +41,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
-Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+from jstd.core.inputs import Inputs
+from jstd.models.base import DATA, MODEL, constrain_rows, logical_axes  # constrain_rows: also jstd.sharding's
+from jstd.models.namemap import at_path
 
-DATA, MODEL = "data", "model"
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 # logical names of the parameters (jstd.models.base.param) split by tensor parallelism: attention and DeltaNet heads,
 # MLP columns and the vocabulary
@@ -117,8 +119,6 @@ def shardings(model, mesh: Mesh, rules: Rules = FSDP):
     ``jstd.logical_axes(model)``, then ``fit`` to each parameter's shape."""
     from flax import linen
 
-    from jstd.models.base import logical_axes
-
     _check_rules(rules)
     named = linen.logical_to_mesh_sharding(logical_axes(model), mesh, _rules_for(mesh, rules))
     return jax.tree.map(lambda s, leaf: fit(s, tuple(leaf.shape)), named, model,
@@ -144,8 +144,6 @@ def placer(skeleton, mesh: Mesh | None, rules: Rules | None = None) -> Callable[
 
     On a mesh, ``place.shards(path, shape, part)`` builds the parameter from ``part(index)``, the host array of
     one device's part alone (``jstd.load`` reads a stacked parameter's parts block by block with it)."""
-    from jstd.io.load import _get  # imported here: jstd.io.load imports this module
-
     if mesh is None:
         if rules is not None:
             raise ValueError("rules= places parameters on a mesh: pass mesh= too (jstd.sharding.mesh())")
@@ -153,7 +151,7 @@ def placer(skeleton, mesh: Mesh | None, rules: Rules | None = None) -> Callable[
     tree = shardings(skeleton, mesh, FSDP if rules is None else rules)
 
     def place(path: str, array: np.ndarray) -> Array:
-        sharding = _get(tree, path)
+        sharding = at_path(tree, path)
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
     def shards(path: str, shape: tuple[int, ...], part: Callable[[tuple], np.ndarray]) -> Array:
@@ -169,7 +167,7 @@ def placer(skeleton, mesh: Mesh | None, rules: Rules | None = None) -> Callable[
                 last[key] = part(index)
             return last[key]
 
-        return jax.make_array_from_callback(shape, _get(tree, path), one)
+        return jax.make_array_from_callback(shape, at_path(tree, path), one)
 
     place.shards = shards
     return place
@@ -188,8 +186,6 @@ def shard_inputs(inputs, mesh: Mesh, rules: Rules = FSDP):
     """``inputs`` (token ids or a ``jstd.Inputs``) with the token ids and mask split by rows as ``rules`` map
     ``batch`` (every ready rule list: over ``data``); images replicated. Rows that do not divide evenly stay
     whole."""
-    from jstd.inputs import Inputs
-
     def rows(x):
         if x is None:
             return None
@@ -242,14 +238,3 @@ def _sweep_jit(fn, sharding):
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), out)
 
     return jax.jit(run)
-
-
-def constrain_rows(x: Array) -> Array:
-    """``x`` (a ``[batch, ...]`` activation: the residual stream) constrained to rows split over the ``data`` axis
-    of the mesh set with ``jax.set_mesh`` (``with jax.set_mesh(mesh): jax.jit(jstd.run)(...)``), so that under
-    ``FSDP`` XLA gathers each block's weights rather than splitting the stream by hidden units. Without such a mesh,
-    or with rows that ``data`` does not divide, ``x`` itself (no-op)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or DATA not in mesh.axis_names or not x.ndim or x.shape[0] % dict(mesh.shape)[DATA]:
-        return x
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(DATA))

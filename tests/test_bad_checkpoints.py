@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jstd
-from jstd.io.load import ConfigWarning, unhandled
+from jstd.io.hf import ConfigWarning, unhandled
 
 ASSET = __import__("pathlib").Path(jstd.__file__).parent / "assets" / "tiny-llama"
 WEIGHTS = "model.safetensors"
@@ -152,7 +152,7 @@ def test_the_conformance_zoo_has_no_unread_config_keys(tmp_path):
     import families
     from transformers import AutoConfig
 
-    from jstd.io.load import family_for
+    from jstd.families import family_for
 
     for name, spec in families.CASES.items():
         spec.config().save_pretrained(tmp_path / name)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import jstd
-from jstd.edits import check_left_padded
-from jstd.sites import SiteError
+from jstd.core.edits import check_left_padded
+from jstd.core.sites import SiteError
 
 ASSET = Path(jstd.__file__).parent / "assets" / "tiny-llama"  # 4 blocks, 4 heads, 2 kv heads, vocab 768
 SEQ = 7

@@ -14,11 +14,12 @@ import pytest
 from safetensors.numpy import load_file
 
 import jstd
-import jstd.activations
+
 import jstd.cli
 from conftest import assert_close
 
-collect_module = importlib.import_module("jstd.collect")  # (jstd.collect is the function)
+collect_module = importlib.import_module("jstd.collect.driver")  # (jstd.collect is the function)
+dataset_module = importlib.import_module("jstd.collect.dataset")
 
 INDUCTION = Path(jstd.__file__).parent / "assets" / "induction-llama"
 SITES = ("layers.layer_output", "layers.1.mlp.mlp_neurons", "layers.self_attn.attention_queries")
@@ -199,7 +200,7 @@ def test_write_error_surfaces_and_resumes(setup, collected, tmp_path, monkeypatc
     model, tok, texts = setup
     out = tmp_path / "full"
     writes = []
-    real_write = jstd.activations.write_array
+    real_write = dataset_module.write_array
 
     def disk_full(f, a):
         writes.append(f.name)
@@ -207,11 +208,11 @@ def test_write_error_surfaces_and_resumes(setup, collected, tmp_path, monkeypatc
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(f, a)
 
-    monkeypatch.setattr(jstd.activations, "write_array", disk_full)
+    monkeypatch.setattr(dataset_module, "write_array", disk_full)
     with pytest.raises(OSError, match="No space left on device.*complete shards are kept.*rerun") as e:
         jstd.collect(model, texts, SITES, out, processor=tok, **KW)
     assert e.value.errno == errno.ENOSPC
-    monkeypatch.setattr(jstd.activations, "write_array", real_write)
+    monkeypatch.setattr(dataset_module, "write_array", real_write)
     assert all(name.endswith(".safetensors.tmp") for name in writes)  # a shard is written under a temporary name
     index = json.loads((out / "index.json").read_text())
     assert not index["complete"] and len(index["shards"]) == 9

@@ -20,7 +20,7 @@ from conftest import assert_close, relative_rms
 from families import CASES, FAMILY_CASES, MAIN, SEQ, TEXT_MAIN
 from reference.cases import assert_every_value, assert_sites_close, jit_run
 from reference.harness import TorchEdit
-from jstd.sites import SITES
+from jstd.core.sites import SITES
 
 every_case = pytest.mark.parametrize("name", sorted(CASES))
 main_case = pytest.mark.parametrize("name", MAIN)
@@ -29,7 +29,7 @@ text_case = pytest.mark.parametrize("name", TEXT_MAIN)
 
 def layout_sizes(model, site: str, inputs) -> dict[str, int]:
     """Each layout axis name's size for ``site`` on this model and these inputs."""
-    from jstd.cli import axis_sizes
+    from jstd.cli.inspect import axis_sizes
 
     spec = SITES[site]
     sizes = axis_sizes(model.config, spec.stack or site)

@@ -4,6 +4,7 @@ model exported back to transformers."""
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -15,6 +16,7 @@ import families
 import jstd
 from conftest import assert_close
 from jstd.io import convert as conv
+from jstd.models.namemap import leaf_paths
 
 
 def bits(x):
@@ -25,7 +27,7 @@ def assert_same_model(a, b):
     """The same tree (static fields included) and every leaf equal bit for bit, in the same dtype."""
     assert jax.tree.structure(a) == jax.tree.structure(b)
     assert a.config == b.config
-    for (path, x), (_, y) in zip(conv.leaf_paths(a), conv.leaf_paths(b)):
+    for (path, x), (_, y) in zip(leaf_paths(a), leaf_paths(b)):
         assert x.dtype == y.dtype and x.shape == y.shape, path
         assert np.array_equal(bits(x), bits(y)), f"{path} differs"
 
@@ -177,7 +179,7 @@ def test_export_after_folding_an_ablated_head(zoo, tmp_path):
     _, folder, model, _, _ = zoo("llama-gqa")
     layer, head = 1, 2
     path = "layers.slots.0.attn.o"  # [blocks, heads, head_dim, embed]: a head's rows of o_proj's input
-    from jstd.io.load import _get
+    from jstd.models.namemap import at_path as _get
 
     o = _get(model, path)
     edited = eqx.tree_at(lambda m: _get(m, path), model, o.at[layer, head].set(0))
@@ -209,7 +211,7 @@ def test_cli_and_refusals(zoo, tmp_path, capsys):
     """jstd convert and jstd export through the command line; export refuses a model with no source and a
     transform that changes values."""
     from jstd import cli
-    from jstd.io.namemap import Entry
+    from jstd.models.namemap import Entry
 
     _, folder, model, _, _ = zoo("llama-gqa")
     assert cli.main(["convert", str(folder), str(tmp_path / "c"), "--quiet"]) == 0
@@ -239,3 +241,16 @@ def test_cli_and_refusals(zoo, tmp_path, capsys):
     with pytest.warns(UserWarning, match="no longer in"):
         jstd.export(clip, tmp_path / "clip-hf")
     assert set(stored_tensors(tmp_path / "clip-hf")) == set(stored_tensors(clip_folder)) - set(clip.source.ignored)
+
+
+OLD = Path(__file__).parent / "data" / "converted-v1"
+
+
+@pytest.mark.parametrize("case", sorted(p.name for p in OLD.iterdir()))
+def test_checkpoints_converted_by_earlier_jstd_still_load(case, monkeypatch):
+    """A checkpoint converted by jstd before its modules moved (tests/data/converted-v1, written by the jstd of
+    commit 578b417 from the tiny HF checkpoint beside it) loads from its recorded structure, never falling back
+    to transformers, into the model ``jstd.load`` makes of the HF folder, bit for bit."""
+    fresh = jstd.load(OLD / case / "hf")
+    monkeypatch.setattr(conv, "_rebuilt_skeleton", lambda *a: pytest.fail(f"{a[-1]!r}: the structure did not decode"))
+    assert_same_model(fresh, jstd.load(OLD / case / "jstd"))

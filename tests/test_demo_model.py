@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import jstd
-from jstd import cli
+from jstd.cli import demo as cli
+from jstd.cli import main
 
 PATH = cli.INDUCTION
 run = jax.jit(jstd.run, static_argnames="reads")
@@ -99,7 +100,7 @@ def test_plots_name_the_extra_when_matplotlib_is_missing(monkeypatch):
 
 
 def test_demo_runs_and_writes_figures(tmp_path, capsys):
-    cli.main(["demo", "--figures", str(tmp_path / "figs")])
+    main(["demo", "--figures", str(tmp_path / "figs")])
     out = capsys.readouterr().out
     assert "top-1 accuracy on the second copy" in out and "<- induction head" in out and "(the same head)" in out
     assert "jstd.patch_sweep" in out and "steering" in out

@@ -3,7 +3,8 @@
 from pathlib import Path
 
 from jstd import cli
-from jstd.sites import SITES, values_markdown
+from jstd.core.sites import SITES
+from jstd.families import values_markdown
 
 ROOT = Path(__file__).parents[1]
 

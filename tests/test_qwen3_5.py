@@ -47,7 +47,7 @@ def test_hosts_norms_and_refusals(checkpoints):
     assert model.rotary.rotary_dim == 4 and model.rotary.mrope_section is None and "positions" not in model.sites
     released = checkpoints("released")[2]
     assert released.rotary.mrope_interleaved and released.rotary.rotary_dim == 16 and "positions" in released.sites
-    from jstd.io.load import family_for
+    from jstd.families import family_for
 
     for moe in ("qwen3_5_moe", "qwen3_5_moe_text"):
         with pytest.raises(ValueError, match="mixture-of-experts"):

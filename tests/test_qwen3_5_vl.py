@@ -50,8 +50,8 @@ def test_hub_layout_and_config_keys(zoo, tmp_path):
     or knowingly ignored, so no ConfigWarning is spurious; a DeepStack list in the tower's config is not read."""
     from transformers import PretrainedConfig, Qwen3_5Config
 
-    from jstd.io.load import GENERIC
-    from jstd.models import FAMILIES
+    from jstd.io.hf import GENERIC
+    from jstd.families import FAMILIES
 
     case = zoo(NAME)
     tensors = load_file(case.folder / "model.safetensors")

@@ -205,7 +205,7 @@ def test_unsupported_parts_are_named():
     """A wrapper whose text model or tower jstd does not have says which, and what it has."""
     from transformers import LlavaConfig
 
-    from jstd.models import FAMILIES
+    from jstd.families import FAMILIES
 
     mistral = LlavaConfig(text_config=dict(model_type="mistral"))
     with pytest.raises(ValueError, match="'mistral' is not supported; jstd's text families: .*llama"):

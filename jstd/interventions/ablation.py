@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jstd.edits import Set, Zero, check_layer, site_axes
-from jstd.inputs import as_inputs
+from jstd.core.edits import Set, Zero, check_layer, site_axes
+from jstd.core.inputs import as_inputs
 from jstd.interventions.reading import block_entry, read
-from jstd.sites import SITES, SiteError, parse
+from jstd.core.sites import SITES, SiteError, parse
 
 IMAGE_SITES = ("vision.", "projector.")  # sites whose positions are patches or image tokens, not the prompt's
 

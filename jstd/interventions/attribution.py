@@ -22,13 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jstd.edits import Add, check_index, check_left_padded, site_axes
-from jstd.inputs import Inputs, as_inputs
+from jstd.core.edits import Add, check_index, check_left_padded, site_axes
+from jstd.core.inputs import Inputs, as_inputs
 from jstd.interventions.metrics import check_token_ids
 from jstd.interventions.patching import checked_metric, pair_inputs
 from jstd.interventions.reading import read
 from jstd.run import run
-from jstd.sites import SITES, SiteError, parse
+from jstd.core.sites import SITES, SiteError, parse
 
 HEAD_OUTPUTS = "layers.self_attn.attention_head_outputs"
 STREAM = ("layers.layer_input", "layers.mlp.mlp_output", "layers.layer_output")

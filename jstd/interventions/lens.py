@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jstd.edits import check_index, check_left_padded
-from jstd.inputs import Inputs, as_inputs
+from jstd.core.edits import check_index, check_left_padded
+from jstd.core.inputs import Inputs, as_inputs
 from jstd.interventions.reading import read
 from jstd.run import project_on_vocab
-from jstd.sites import SITES, SiteError, parse
+from jstd.core.sites import SITES, SiteError, parse
 
 
 def logit_lens(

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from jstd.edits import _shown, check_index, check_left_padded
+from jstd.core.edits import _shown, check_index, check_left_padded
 
 
 def token_ids(ids, what: str) -> Int[Array, "*batch"]:
@@ -63,7 +63,7 @@ def _pick(x: Float[Array, "batch vocab"], ids, what: str) -> Float[Array, "batch
 def check_metric(metric: Callable, logits_shape: tuple[int, int, int], attention_mask, tool: str):
     """A ``PositionMetric``'s checks before ``tool`` runs: its token ids and position against logits of
     ``logits_shape`` (evaluated abstractly: it raises here, before a sweep compiles), and, when it reads from the
-    end, ``attention_mask`` left-padded (``jstd.edits.check_left_padded``). Returns the mask (checked when
+    end, ``attention_mask`` left-padded (``jstd.core.edits.check_left_padded``). Returns the mask (checked when
     traced). Other metrics (any function of the logits) are the caller's own and pass as they are.
     """
     if not isinstance(metric, PositionMetric):

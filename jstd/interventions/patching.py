@@ -28,13 +28,14 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.interventions.chunking import balanced, fit
-from jstd.edits import Set, check_index, check_layer, selection_mask, site_axes
-from jstd.inputs import Inputs, as_inputs
+from jstd.core.edits import Set, check_index, check_layer, selection_mask, site_axes
+from jstd.core.inputs import Inputs, as_inputs
 from jstd.interventions.metrics import check_metric
 from jstd.interventions.reading import block_entry, read
 from jstd.interventions.resume import resumable, resumed_sweep
 from jstd.run import run
-from jstd.sites import SITES, SiteError, parse
+from jstd.sharding import spread
+from jstd.core.sites import SITES, SiteError, parse
 
 Metric = Callable[[Float[Array, "batch seq vocab"]], Array]
 DEFAULT_BUDGET = 1 << 30
@@ -226,8 +227,6 @@ class Spread:
     def place(self, entries: np.ndarray, size: int):
         """``entries`` (a chunk, at most ``size`` long: the grid's end) padded to ``size`` with its last entry, then
         placed."""
-        from jstd.sharding import spread
-
         entries = spread(np.asarray(entries), size - len(entries))
         if self.mesh is None:
             return jnp.asarray(entries)

@@ -10,7 +10,7 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from jstd.run import Outputs, run
-from jstd.sites import SITES, SiteError, parse
+from jstd.core.sites import SITES, SiteError, parse
 
 
 def read(model, tokens, sites: Sequence[str], edits=(), attention_mask=None) -> Outputs:

@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jstd.context import Context
+from jstd.core.context import Context
 from jstd.interventions.chunking import fit
-from jstd.edits import Set, site_axes
+from jstd.core.edits import Set, site_axes
 from jstd.interventions.metrics import PositionMetric
 from jstd.interventions.reading import block_entry, read
 from jstd.run import run
-from jstd.sites import SITES
+from jstd.core.sites import SITES
 
 STREAM_SITES = ("layers.layer_input", "layers.layer_output")
 

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PyTree
 
 from jstd.interventions.ablation import site_mean
-from jstd.edits import Add, site_axes
-from jstd.sites import SITES, parse
+from jstd.core.edits import Add, site_axes
+from jstd.core.sites import SITES, parse
 
 
 def steer(

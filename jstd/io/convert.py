@@ -41,7 +41,14 @@ import jax
 import numpy as np
 from jaxtyping import Array
 
+from jstd.families import family_for
+from jstd.io.buffers import Scratch, aligned_buffer, fill_entry
+from jstd.io.hf import hf_config, param_dtype, plan, stored_names, supported_dtypes
+from jstd.io.hub import resolve
 from jstd.io.safetensors import DTYPES, CheckpointError, SafetensorsFiles
+from jstd.models.base import with_fields
+from jstd.models.namemap import at_path, leaf_paths
+from jstd.sharding import placer
 
 FORMAT = "jstd-stacked"
 VERSION = 1
@@ -54,6 +61,12 @@ SAFETENSORS_NAME = {np.dtype(v).name: k for k, v in DTYPES.items()}
 ALIGN = 1 << 16  # the converted layout's tensors start at file offsets that are multiples of any page size
 PADDING = "__jstd_padding__."  # the filler tensors that align them
 IGNORED = "hf-ignored"  # the subfolder holding the source's tensors jstd does not read, as stored (for export)
+# classes the structure of a checkpoint written by an earlier jstd names where they no longer live:
+# "module:qualname" as written -> where the class is now (the fields are the same)
+MOVED = {
+    "jstd.config:ModelConfig": "jstd.core.config:ModelConfig",
+    "jstd.config:VisionConfig": "jstd.core.config:VisionConfig",
+}
 
 
 class Source:
@@ -83,8 +96,6 @@ class Source:
 
 def with_source(model, source: Source | None):
     """``model`` with ``model.source`` set to ``source`` (a shallow copy; the parameters are shared)."""
-    from jstd.models.base import with_fields
-
     return with_fields(model, source=source)
 
 
@@ -134,7 +145,7 @@ def decode_structure(data, dtype: Callable[[str], np.dtype] = np.dtype):
         return tuple(decode_structure(x, dtype) for x in data["@tuple"])
     if "@dict" in data:
         return {k: decode_structure(v, dtype) for k, v in data["@dict"].items()}
-    module, _, qualname = str(data.get("@class", "")).partition(":")
+    module, _, qualname = MOVED.get(str(data.get("@class", "")), str(data.get("@class", ""))).partition(":")
     if module.split(".")[0] != "jstd" or not qualname:
         raise ValueError(f"not a jstd class: {data.get('@class')!r}")
     cls = importlib.import_module(module)
@@ -151,16 +162,6 @@ def decode_structure(data, dtype: Callable[[str], np.dtype] = np.dtype):
     if "source" in {f.name for f in dataclasses.fields(cls)}:
         object.__setattr__(obj, "source", None)
     return obj
-
-
-def leaf_paths(tree) -> list[tuple[str, object]]:
-    """``(path, leaf)`` for each leaf of ``tree`` in flattening order, paths dotted as the name maps write them
-    (``layers.blocks.0.self_attn.q``)."""
-    out = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        parts = [str(getattr(k, "name", getattr(k, "idx", getattr(k, "key", k)))) for k in path]
-        out.append((".".join(parts), leaf))
-    return out
 
 
 # ---- writing safetensors, streamed ----------------------------------------------------------------------------------
@@ -326,9 +327,6 @@ def convert(src, dst, *, dtype=None, force: bool = False, progress: bool = True,
     ``jstd.load(src)`` raises for the source (CheckpointError naming the file, ValueError for an unsupported
     model or dtype).
     """
-    from jstd.io.hub import resolve
-    from jstd.io.load import _fill, _Scratch, plan
-
     folder = resolve(src)
     if is_converted(folder):
         raise ValueError(f"jstd convert: {folder} is already a converted jstd checkpoint ({MARKER}); jstd.load reads "
@@ -344,21 +342,17 @@ def convert(src, dst, *, dtype=None, force: bool = False, progress: bool = True,
     meta = {"format": FORMAT, "version": VERSION, "family": family.family, "model_type": hf.model_type,
             "dtype": np.dtype(dtype).name, "structure": encode_structure(skeleton), "source": source.tensors,
             "ignored": source.ignored}
-    plan = [(p, leaf.shape, leaf.dtype) for p, leaf in leaves]
-    bar = _Progress(f"jstd convert {folder.name}", sum(math.prod(s) * np.dtype(d).itemsize for _, s, d in plan),
-                    len(plan), progress)
-    scratch = _Scratch()
+    layout = [(p, leaf.shape, leaf.dtype) for p, leaf in leaves]
+    bar = _Progress(f"jstd convert {folder.name}", sum(math.prod(s) * np.dtype(d).itemsize for _, s, d in layout),
+                    len(layout), progress)
+    scratch = Scratch()
     staging = _Staging(dst)
     with staging as tmp:
-        writer = _Writer(tmp, plan, {"format": FORMAT}, shard_bytes, align=ALIGN)
+        writer = _Writer(tmp, layout, {"format": FORMAT}, shard_bytes, align=ALIGN)
         for path, leaf in leaves:
             e = entries[path]
             buf = np.empty(leaf.shape, leaf.dtype)
-            if e.stacked:
-                for row, i in enumerate(e.blocks):
-                    _fill(files, e, [k.format(i=i) for k in e.keys], buf[row], scratch)
-            else:
-                _fill(files, e, list(e.keys), buf, scratch)
+            fill_entry(files, e, buf, scratch)
             writer.write(path, buf)
             bar.step(buf.nbytes)
             del buf
@@ -408,7 +402,6 @@ def load_converted(folder, *, dtype=None, mesh=None, rules=None,
     Raises CheckpointError naming the file for a marker of another format or a newer version, a corrupted or
     truncated shard, and a missing, extra or misshapen parameter.
     """
-    from jstd.io.load import _buffer, _Scratch, param_dtype, supported_dtypes
 
     folder = Path(folder)
     marker = folder / MARKER
@@ -434,8 +427,6 @@ def load_converted(folder, *, dtype=None, mesh=None, rules=None,
     except (ValueError, KeyError, TypeError, AttributeError, ImportError) as e:
         skeleton = _rebuilt_skeleton(folder, meta, target, e)
     if place is None:
-        from jstd.sharding import placer
-
         place = placer(skeleton, mesh, rules)
     files = SafetensorsFiles(folder)
     leaves = leaf_paths(skeleton)
@@ -449,7 +440,7 @@ def load_converted(folder, *, dtype=None, mesh=None, rules=None,
         raise CheckpointError(f"{folder.name}: {what} {key!r} ({where})"
                               + (f" and {len(missing or extra) - 1} more" if len(missing or extra) > 1 else "")
                               + f"; {MARKER} describes another model: convert the checkpoint again")
-    scratch = _Scratch()
+    scratch = Scratch()
     arrays = []
     for path, leaf in leaves:
         shape, have = files.shape(path), files.dtype(path)
@@ -460,10 +451,10 @@ def load_converted(folder, *, dtype=None, mesh=None, rules=None,
         if buf is not None:
             pass
         elif have == leaf.dtype:
-            buf = _buffer(leaf.shape, have)
+            buf = aligned_buffer(leaf.shape, have)
             files.read_into(path, buf)
         else:
-            buf = _buffer(leaf.shape, np.dtype(leaf.dtype))
+            buf = aligned_buffer(leaf.shape, np.dtype(leaf.dtype))
             raw = scratch.get(shape, have)
             files.read_into(path, raw)
             np.copyto(buf, raw, casting="unsafe")
@@ -501,7 +492,6 @@ def _mapped(files: SafetensorsFiles, key: str) -> np.ndarray | None:
 def _rebuilt_skeleton(folder: Path, meta: dict, dtype, why: Exception):
     """The skeleton from config.json through the family (transformers parses it), when this jstd cannot rebuild
     the stored structure (written by another jstd version)."""
-    from jstd.io.load import family_for, hf_config
 
     hf = hf_config(folder)
     family = family_for(hf.model_type)
@@ -544,7 +534,6 @@ def export(model, dst, *, force: bool = False, files_from=None, progress: bool =
     Raises ValueError when the model carries no ``source`` (it was not loaded from a checkpoint), when ``dst`` is
     a non-empty folder and ``force`` is False, or when a transform is not a pure re-layout.
     """
-    from jstd.io.load import _get, family_for, hf_config, stored_names
 
     source = getattr(model, "source", None)
     if not isinstance(source, Source):
@@ -565,7 +554,7 @@ def export(model, dst, *, force: bool = False, files_from=None, progress: bool =
         skeleton = family.skeleton(hf, np.float32)
         stored = stored_names(family.stored_prefixes(hf), source.tensors.keys())
         entries = [dataclasses.replace(e, key=stored(e.key) if isinstance(e.key, str) else tuple(map(stored, e.key)))
-                   for e in family.name_map(hf, skeleton) if _get(skeleton, e.path) is not None]
+                   for e in family.name_map(hf, skeleton) if at_path(skeleton, e.path) is not None]
         groups: dict[tuple[str, ...], list] = {}
         for e in entries:
             for row, i in (enumerate(e.blocks) if e.stacked else [(None, 0)]):
@@ -638,9 +627,7 @@ def _ignored_files(source: Source) -> SafetensorsFiles | None:
 
 
 def _leaf(model, path: str):
-    from jstd.io.load import _get
-
-    return _get(model, path)
+    return at_path(model, path)
 
 
 def _set_dtype(config: dict, name: str) -> None:
@@ -650,47 +637,3 @@ def _set_dtype(config: dict, name: str) -> None:
     for value in config.values():
         if isinstance(value, dict) and ("dtype" in value or "torch_dtype" in value or "model_type" in value):
             _set_dtype(value, name)
-
-
-# ---- the command line -----------------------------------------------------------------------------------------------
-
-def add_arguments(subparsers) -> None:
-    """The ``convert`` and ``export`` subcommands (added once, however many registry names point here)."""
-    if "convert" in subparsers.choices:
-        return
-    c = subparsers.add_parser("convert", help="write a HuggingFace checkpoint as a stacked jstd checkpoint (loads "
-                                              "faster; jstd.load reads both)")
-    c.add_argument("src", help="a HuggingFace checkpoint folder or hub repo id (never written to)")
-    c.add_argument("dst", help="the new folder (written to a temporary sibling, renamed when complete)")
-    c.add_argument("--dtype", default=None, help="store the parameters in this dtype (float32, bfloat16, ...; "
-                                                 "default: what jstd.load would give)")
-    c.add_argument("--force", action="store_true", help="replace a non-empty DST once the new one is complete")
-    c.add_argument("--quiet", action="store_true", help="no progress line")
-    e = subparsers.add_parser("export", help="write a checkpoint (HuggingFace or converted) back as a HuggingFace "
-                                             "folder transformers loads")
-    e.add_argument("model", help="a checkpoint folder or hub repo id, HuggingFace or converted")
-    e.add_argument("dst", help="the new folder")
-    e.add_argument("--dtype", default=None, help="load (and so write) the parameters in this dtype")
-    e.add_argument("--force", action="store_true", help="replace a non-empty DST once the new one is complete")
-    e.add_argument("--quiet", action="store_true", help="no progress line")
-
-
-def command(args) -> int:
-    """Run ``jstd convert`` or ``jstd export``; exit status 1 with a one-line message on a bad source or
-    destination."""
-    try:
-        if args.command == "convert":
-            out = convert(args.src, args.dst, dtype=args.dtype, force=args.force, progress=not args.quiet)
-        else:
-            import jstd
-            from jstd.io.hub import resolve
-
-            folder = resolve(args.model)
-            out = export(jstd.load(folder, dtype=args.dtype), args.dst, force=args.force, files_from=folder,
-                         progress=not args.quiet)
-    except (OSError, ValueError) as e:
-        message, prefix = " ".join(str(e).split()), f"jstd {args.command}: "
-        print(message if message.startswith(prefix) else prefix + message, file=sys.stderr)
-        return 1
-    print(out)
-    return 0

@@ -82,12 +82,13 @@ def _recip(x: np.ndarray, numerator=1.0) -> np.ndarray:
     return r if numerator == 1.0 else (r * _f32(numerator)).astype(_f32)
 
 
-def _default_inv_freq(base, dim: int) -> np.ndarray:
+def default_inv_freq(base, dim: int) -> np.ndarray:
+    """The default rotary frequencies ``1 / base ** (2i / dim)``, rounded as torch computes them in float32."""
     return _recip(_pow(base, _exponents(dim)))
 
 
 def _linear_inv_freq(base, dim, factor) -> np.ndarray:
-    return (_default_inv_freq(base, dim) / _f32(factor)).astype(_f32)
+    return (default_inv_freq(base, dim) / _f32(factor)).astype(_f32)
 
 
 def _dynamic_base_at_init(base, factor, max_pos, dim) -> float:
@@ -165,7 +166,7 @@ def _longrope_inv_freq(base, dim, ext_factors) -> np.ndarray:
 
 
 def _llama3_inv_freq(base, dim, factor, low_freq_factor, high_freq_factor, old_context_len) -> np.ndarray:
-    inv_freq = _default_inv_freq(base, dim)
+    inv_freq = default_inv_freq(base, dim)
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
     wavelen = _recip(inv_freq, 2 * math.pi)
@@ -236,7 +237,8 @@ def _pow_f32_double_exponent(s: Array, e: float) -> Array:
     return s + _keep(s * u)
 
 
-def _rotate_half(x: Array) -> Array:
+def rotate_half(x: Array) -> Array:
+    """``[-x2, x1]`` for the halves ``x1, x2`` of the last axis (the rotary pairing of transformers' non-interleaved rope)."""
     half = x.shape[-1] // 2
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
@@ -462,14 +464,14 @@ def rotary_from_config(config, head_dim: int, *, layer_type: str | None = None,
     attention_scaling = 1.0
     extra: dict = {}
     if rope_type == "default":
-        inv = _default_inv_freq(base, dim)
+        inv = default_inv_freq(base, dim)
     elif rope_type == "linear":
         inv = _linear_inv_freq(base, dim, params["factor"])
     elif rope_type == "dynamic":
         factor = params["factor"]
         if max_pos is None:
             raise ValueError("dynamic rope needs config.max_position_embeddings")
-        inv = _default_inv_freq(_dynamic_base_at_init(base, factor, max_pos, dim), dim)
+        inv = default_inv_freq(_dynamic_base_at_init(base, factor, max_pos, dim), dim)
         extra = dict(original_max_position_embeddings=int(max_pos), rope_theta=float(base), factor=factor, dim=dim)
     elif rope_type == "yarn":
         omax = original_max()
@@ -546,7 +548,7 @@ def apply_rotary(
     cos = cos[:, None]
     sin = sin[:, None]
     x_rot = x[..., :rotary_dim]
-    out = x_rot * cos + _rotate_half(x_rot) * sin
+    out = x_rot * cos + rotate_half(x_rot) * sin
     if rotary_dim < x.shape[-1]:
         out = jnp.concatenate([out.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
     return out.astype(x.dtype)

@@ -7,9 +7,13 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
-from jstd.config import ModelConfig
+from jstd.core.config import ModelConfig
+from jstd.core.sites import SITES
+
+DATA, MODEL = "data", "model"  # the mesh axes of jstd.sharding's rules: rows of the batch, tensor parallelism
 
 
 def param(*axes: str):
@@ -98,8 +102,6 @@ class Model(eqx.Module):
 
     def blocks_for(self, site: str) -> tuple[int, ...]:
         """The blocks that compute the block site ``site`` (whole name, no index), in order."""
-        from jstd.sites import SITES
-
         stack = self.stacks.get(SITES[site].stack)
         return () if stack is None else stack.blocks_for(site)
 
@@ -109,8 +111,6 @@ class Model(eqx.Module):
 
     def unavailable(self, site: str) -> str:
         """Why this model does not serve ``site`` (nnterp's 'Unavailable')."""
-        from jstd.sites import SITES
-
         spec = SITES[site]
         if spec.family and spec.family != self.family:
             return f"{site} is specific to the {spec.family} family"
@@ -182,3 +182,14 @@ def with_fields(model: eqx.Module, **fields) -> eqx.Module:
     for name, value in fields.items():
         object.__setattr__(new, name, value)
     return new
+
+
+def constrain_rows(x: Array) -> Array:
+    """``x`` (a ``[batch, ...]`` activation: the residual stream) constrained to rows split over the ``data`` axis
+    of the mesh set with ``jax.set_mesh`` (``with jax.set_mesh(mesh): jax.jit(jstd.run)(...)``), so that under
+    ``FSDP`` XLA gathers each block's weights rather than splitting the stream by hidden units. Without such a mesh,
+    or with rows that ``data`` does not divide, ``x`` itself (no-op)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or DATA not in mesh.axis_names or not x.ndim or x.shape[0] % dict(mesh.shape)[DATA]:
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(DATA))

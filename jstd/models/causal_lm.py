@@ -17,15 +17,15 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jstd.config import ModelConfig
-from jstd.context import begin
-from jstd.io.namemap import Entry, linear
+from jstd.core.config import ModelConfig
+from jstd.core.context import begin
+from jstd.models.namemap import Entry, linear
 from jstd.kernels.rope import Rotary, rotary_from_config
 from jstd.kernels.rounding import rounded
 from jstd.models.base import Family, Model, param, shape
 from jstd.models.layers import LLAMA_NAMES, RMSNorm, times
 from jstd.models.stack import Stack
-from jstd.vision.mrope import mrope_positions
+from jstd.kernels.mrope import mrope_positions
 
 TEXT_MODEL_SITES = frozenset({"token_embeddings", "final_norm_output", "lm_head_output", "logits", "next_token_probs"})
 

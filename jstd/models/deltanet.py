@@ -39,10 +39,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jstd.kernels.select import gated_delta_rule  # the kernel for the backend (jstd/kernels/select.py)
-from jstd.io.namemap import Entry, linear, split_in, split_out
+from jstd.models.namemap import Entry, linear, split_in, split_out
 from jstd.models.base import param, shape
 from jstd.models.layers import RMSNorm, activation, flat_product
-from jstd.tap import Taps
+from jstd.core.tap import Taps
 
 SITE = "linear_attn."
 

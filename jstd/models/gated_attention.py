@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import equinox as eqx
 from jaxtyping import Array, Float
 
-from jstd.io.namemap import Entry
+from jstd.models.namemap import Entry
 from jstd.models.base import shape
-from jstd.models.layers import Attention, HeadNorm, _bias
+from jstd.models.layers import Attention, HeadNorm, add_bias
 
 
 def _query_half(heads: int, half: int):
@@ -48,7 +48,7 @@ class GatedAttention(Attention):
 
     def gated(self, heads: Float[Array, "batch seq heads head_dim"],
               x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq heads head_dim"]:
-        gate = _bias(jnp.einsum("bte,ehd->bthd", x, self.gate), self.gate_bias)
+        gate = add_bias(jnp.einsum("bte,ehd->bthd", x, self.gate), self.gate_bias)
         return heads * jax.nn.sigmoid(gate)
 
     def entries(self, names=None) -> list[Entry]:

@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from jstd.io.namemap import Entry, linear, split, split_in, split_out
+from jstd.models.namemap import Entry, linear, split, split_in, split_out
 from jstd.kernels import attention as attn_kernels
 from jstd.kernels.rope import apply_rotary
 from jstd.kernels.rounding import rounded
 from jstd.models.base import param, shape
-from jstd.tap import Taps
+from jstd.core.tap import Taps
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -47,7 +47,8 @@ def activation(name: str):
     return ACTIVATIONS[name]
 
 
-def _bias(x, b):
+def add_bias(x, b):
+    """``x + b``, or ``x`` where the layer has no bias (``b`` None)."""
     return x if b is None else x + b
 
 
@@ -147,9 +148,9 @@ class GatedMLP(eqx.Module):
     sites: ClassVar[tuple[str, ...]] = ("mlp_activation", "mlp_neurons")
 
     def __call__(self, x: Float[Array, "batch seq embed"], s: Taps) -> Float[Array, "batch seq embed"]:
-        act = s("mlp.mlp_activation", activation(self.act)(_bias(x @ self.gate, self.gate_bias)))
-        neurons = s("mlp.mlp_neurons", act * _bias(x @ self.up, self.up_bias))
-        return _bias(neurons @ self.down, self.down_bias)
+        act = s("mlp.mlp_activation", activation(self.act)(add_bias(x @ self.gate, self.gate_bias)))
+        neurons = s("mlp.mlp_neurons", act * add_bias(x @ self.up, self.up_bias))
+        return add_bias(neurons @ self.down, self.down_bias)
 
     def entries(self, names=None) -> list[Entry]:
         return present(self, [
@@ -273,7 +274,7 @@ class Attention(eqx.Module):
             heads = attn_kernels.fused(q, k, v, self.scale, mask)
         heads = s("self_attn.attention_head_outputs", heads)
         heads = s("self_attn.attention_premix", self.gated(heads, x))
-        return _bias(flat_product(heads, self.o, 2), self.o_bias)
+        return add_bias(flat_product(heads, self.o, 2), self.o_bias)
 
     def entries(self, names=None) -> list[Entry]:
         """``names["out"]``: the output projection's name (``o_proj``; ``out_proj`` on CLIP and SigLIP)."""

@@ -13,7 +13,7 @@ array), ``head_dim`` independent of ``hidden_size / heads``. The model is a
 
 from __future__ import annotations
 
-from jstd.config import ModelConfig
+from jstd.core.config import ModelConfig
 from jstd.models.causal_lm import TextFamily
 from jstd.models.layers import Attention, Block, GatedMLP
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jstd.config import ModelConfig
+from jstd.core.config import ModelConfig
 from jstd.models.layers import Attention, Block, GatedMLP
 from jstd.models.llama import Llama
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import equinox as eqx
 
-from jstd.config import ModelConfig
+from jstd.core.config import ModelConfig
 from jstd.kernels.rope import Rotary, rotary_from_config
 from jstd.models.layers import Block, HeadNorm
 from jstd.models.llama import Llama

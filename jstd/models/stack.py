@@ -24,9 +24,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from jstd.io.namemap import Entry
-from jstd.models.base import stacked
-from jstd.sharding import constrain_rows
+from jstd.models.namemap import Entry
+from jstd.models.base import constrain_rows, stacked
 
 
 def period_of(kinds: Sequence[str]) -> int:

@@ -34,8 +34,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from jstd.inputs import Inputs
-from jstd.io.namemap import Entry
+from jstd.core.inputs import Inputs
+from jstd.models.namemap import Entry
 from jstd.vision.projector import PixelShuffleProjector
 from jstd.vision.tower import check_pixels
 from jstd.vision.towers import ViTFamily
@@ -67,7 +67,7 @@ class Idefics3Model(VisionLanguageModel):
         if real is None:
             raise ValueError(f"this {self.family} model needs to know which of the padded images are real "
                              "(Inputs.layout's real_images): build the inputs with jstd.Inputs.of(processor(...)) "
-                             "outside jit, or jstd.inputs.with_layout(inputs)")
+                             "outside jit, or jstd.core.inputs.with_layout(inputs)")
         real = np.asarray(real, bool)
         if real.shape != shape:
             raise ValueError(f"Inputs.layout's real_images has shape {real.shape} but pixel_values holds {shape} "

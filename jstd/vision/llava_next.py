@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from jstd.inputs import Inputs
-from jstd.io.namemap import Entry
+from jstd.core.inputs import Inputs
+from jstd.models.base import shape
+from jstd.models.namemap import Entry
 from jstd.vision.llava import LLAVA_STORED, Llava, LlavaModel
 
 LLAVA_NEXT_STORED = {**LLAVA_STORED, "model.image_newline": ("image_newline", "model.image_newline")}
@@ -191,8 +192,6 @@ class LlavaNext(Llava):
 
     @classmethod
     def skeleton(cls, hf, dtype) -> LlavaNextModel:
-        from jstd.models.base import shape
-
         model = super().skeleton(hf, dtype)
         return eqx.tree_at(lambda m: m.image_newline, model, shape(hf.text_config.hidden_size, dtype=dtype),
                            is_leaf=lambda x: x is None)

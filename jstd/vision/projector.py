@@ -7,7 +7,7 @@ from __future__ import annotations
 import equinox as eqx
 from jaxtyping import Array, Float
 
-from jstd.io.namemap import Entry, linear
+from jstd.models.namemap import Entry, linear
 from jstd.models.base import param, shape
 from jstd.models.layers import LayerNorm, activation, present
 

@@ -28,12 +28,12 @@ import jax
 import numpy as np
 from jaxtyping import Array, Float
 
-from jstd.config import ModelConfig, VisionConfig
-from jstd.inputs import Inputs
+from jstd.core.config import ModelConfig, VisionConfig
+from jstd.core.inputs import Inputs
 from jstd.models.layers import MLP, Block, GatedMLP, LayerNorm, RMSNorm
 from jstd.models.stack import Stack
 from jstd.models.base import Family, Model, shape
-from jstd.vision.mrope import mrope_positions
+from jstd.kernels.mrope import mrope_positions
 from jstd.vision.projector import LinearProjector
 from jstd.vision.qwen_vit import (QWEN2_MERGER_NAMES, Grids, PackedAttention, PatchMerger, QwenViT, check_grids,
                                   vision_inv_freq)
@@ -174,7 +174,7 @@ def grids_of(model, inputs: Inputs) -> Grids:
     if grids is None:
         raise ValueError(f"{model.family} needs each image's patch grid statically (Inputs.layout's image_grid_thw): "
                          "build the inputs with jstd.Inputs.of(processor(...)) outside jit, or "
-                         "jstd.inputs.with_layout(inputs)")
+                         "jstd.core.inputs.with_layout(inputs)")
     return grids
 
 

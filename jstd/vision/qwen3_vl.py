@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from jstd.config import VisionConfig
+from jstd.core.config import VisionConfig
 from jstd.models.base import shape
 from jstd.models.layers import MLP
 from jstd.vision.qwen2_vl import QWEN_VIT_NAMES, Qwen2VL, QwenViTFamily, QwenVisionTower, QwenVLModel

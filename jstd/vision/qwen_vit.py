@@ -48,9 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from jstd.io.namemap import Entry
+from jstd.models.namemap import Entry
 from jstd.kernels import attention as attn_kernels
-from jstd.kernels.rope import _default_inv_freq, _rotate_half
+from jstd.kernels.rope import default_inv_freq, rotate_half
 from jstd.kernels.rounding import rounded
 from jstd.models.base import param, shape
 from jstd.models.layers import LayerNorm, RMSNorm
@@ -202,7 +202,7 @@ class PackedAttention(eqx.Module):
     def __call__(self, x: Float[Array, "1 patches embed"], args, s, past=None) -> Float[Array, "1 patches embed"]:
         (cos, sin), layout = args
         qkv = jnp.einsum("bte,ekhd->kbhtd", x, self.qkv) + self.qkv_bias[:, None, :, None, :]
-        rotate = lambda y: (y.astype(jnp.float32) * cos + _rotate_half(y.astype(jnp.float32)) * sin).astype(y.dtype)
+        rotate = lambda y: (y.astype(jnp.float32) * cos + rotate_half(y.astype(jnp.float32)) * sin).astype(y.dtype)
         q = s("self_attn.attention_queries", rotate(qkv[0]))
         k = s("self_attn.attention_keys", rotate(qkv[1]))
         v = s("self_attn.attention_values", qkv[2])
@@ -393,5 +393,5 @@ def vision_inv_freq(hf, head_dim: int) -> tuple[float, ...]:
     if rope_type != "axial":
         raise ValueError(f"the Qwen ViT's rotary is axial; this vision config has rope_type {rope_type!r}")
     theta = params.get("rope_theta", 10000.0)
-    return tuple(float(v) for v in _default_inv_freq(theta, head_dim // 2))
+    return tuple(float(v) for v in default_inv_freq(theta, head_dim // 2))
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jstd.io.namemap import Entry
+from jstd.models.namemap import Entry
 from jstd.models.base import Model, param
 from jstd.models.layers import LayerNorm
 from jstd.models.stack import Stack

@@ -18,7 +18,7 @@ top level (what transformers 5 saves for a vision model alone); both load.
 
 from __future__ import annotations
 
-from jstd.config import ModelConfig, VisionConfig
+from jstd.core.config import ModelConfig, VisionConfig
 from jstd.models.base import Family, shape
 from jstd.models.layers import MLP, Attention, Block, LayerNorm
 from jstd.models.stack import Stack

@@ -27,13 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from jstd.config import ModelConfig
-from jstd.inputs import Inputs
-from jstd.io.namemap import Entry
+from jstd.core.config import ModelConfig
+from jstd.core.inputs import Inputs
+from jstd.models.namemap import Entry
 from jstd.models.base import Family, Model
+from jstd.models import TEXT_FAMILIES
 from jstd.models.causal_lm import TEXT_MODEL_SITES, CausalLM
 from jstd.vision.scatter import check_image_tokens, image_token_mask, scatter
 from jstd.vision.tower import VisionTower, check_pixels
+from jstd.vision.towers import TOWERS
 
 WRAPPER_SITES = frozenset({"projector.input", "projector.output", "vision.image_features", "vision.image_token_mask"})
 
@@ -171,13 +173,10 @@ class WrapperFamily(Family):
 
     @classmethod
     def text_family(cls, hf):
-        from jstd.models import FAMILIES
-        from jstd.models.causal_lm import TextFamily
-
         model_type = getattr(hf.text_config, "model_type", None)
-        family = FAMILIES.get(model_type)
-        if family is None or not issubclass(family, TextFamily):
-            text = sorted(t for t, f in FAMILIES.items() if issubclass(f, TextFamily))
+        family = TEXT_FAMILIES.get(model_type)
+        if family is None:
+            text = sorted(TEXT_FAMILIES)
             raise ValueError(f"{hf.model_type}: its text model's model_type {model_type!r} is not supported; "
                              f"jstd's text families: {', '.join(text)}")
         return family
@@ -185,8 +184,6 @@ class WrapperFamily(Family):
     @classmethod
     def tower_for(cls, hf):
         """The tower family of ``hf.vision_config`` (CLIP or SigLIP by its model_type; a family may fix it)."""
-        from jstd.vision.towers import TOWERS
-
         tower = TOWERS.get(getattr(hf.vision_config, "model_type", None))
         if tower is None:
             raise ValueError(f"{hf.model_type}: its vision tower's model_type {hf.vision_config.model_type!r} is "

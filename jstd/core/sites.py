@@ -177,38 +177,3 @@ def parse(name: str) -> tuple[str, int | None]:
     if index is not None and not SITES[name].per_block:
         raise SiteError(f"site {name!r} is not a block site; drop the block index")
     return name, index
-
-
-def values_markdown(served: dict[str, tuple[str, ...]] | None = None) -> str:
-    """docs/values.md: every site some family or tower serves, with the ones that serve it (``served``: site ->
-    family names; by default ``jstd.models.served_sites()``). Tests check the file is current."""
-    if served is None:
-        from jstd.models import served_sites
-
-        served = served_sites()
-    lines = [
-        "# Standard values",
-        "",
-        "Generated from `jstd/sites.py` and the families' declarations by `make docs`; do not edit by hand.",
-        "",
-        '`"layers.X"` reads site X stacked over the blocks that have its host (block axis first);',
-        '`"layers.5.X"` reads or edits block 5 alone; `"vision.layers.X"` and `"vision.layers.5.X"` do the same',
-        "on a vision tower's blocks. Layouts are per host (per block). *Served by* lists the families and towers",
-        "that compute the value; names in the vocabulary that nothing serves yet are left out.",
-        "",
-    ]
-    by_host: dict[str, list[Site]] = {}
-    for s in SITES.values():
-        if served.get(s.name):
-            by_host.setdefault(s.host, []).append(s)
-    for host, sites in by_host.items():
-        lines += [f"## `{host}`", "", "| site | layout | editable | served by | meaning |", "| --- | --- | --- | --- | --- |"]
-        for s in sites:
-            lines.append(f"| `{s.name}` | [{', '.join(s.layout)}] | {'yes' if s.editable else 'read-only'} | "
-                         f"{', '.join(served[s.name])} | {s.meaning} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(values_markdown(), end="")

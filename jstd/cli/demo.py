@@ -1,69 +1,14 @@
-"""The ``jstd`` command: ``jstd demo`` runs the embedded induction model; ``jstd inspect PATH`` prints a model's sites."""
+"""``jstd demo``: induction on the embedded trained model — copying, the heads found by score, a head ablation, a
+patching sweep, steering, the logit lens, figures."""
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import sys
 from pathlib import Path
 
-ASSET = Path(__file__).parent / "assets" / "tiny-llama"
+import jstd
 
-
-def axis_sizes(config, stack: str | None = None) -> dict[str, int]:
-    """Layout axis name -> size on this model (for printing shapes); a tower's sizes for its stack's values."""
-    v = config.vision
-    if v is not None and (stack or "").startswith("vision"):
-        sizes = {"heads": v.num_heads, "kv_heads": v.num_heads, "head_dim": v.head_dim, "qk_head_dim": v.head_dim,
-                 "mlp": v.intermediate_size, "layers": v.num_layers}
-    else:
-        sizes = {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
-                 "qk_head_dim": config.qk_head_dim, "mlp": config.intermediate_size, "layers": config.num_layers}
-    sizes.update({"hidden": config.hidden_size, "embed": config.hidden_size, "vocab": config.vocab_size})
-    if v is not None:
-        sizes.update({"vision_hidden": v.hidden_size, "patches": v.positions, "grid": v.num_patches})
-    return {k: n for k, n in sizes.items() if n is not None}
-
-
-def describe(model) -> str:
-    """The model tree: parameters with logical axes and shapes, and every site it serves by host."""
-    import jax
-
-    from jstd.models.base import logical_axes
-    from jstd.sites import SITES
-
-    lines = [f"{type(model).__name__} (model_type {model.config.model_type}): {model.config}"]
-    if model.config.vision is not None:
-        lines.append(f"vision tower: {model.config.vision}")
-    lines += ["", "parameters:"]
-    axes = logical_axes(model)
-    for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(model), jax.tree.leaves(axes)):
-        name = jax.tree_util.keystr(path).lstrip(".")
-        dims = ", ".join(f"{a}={n}" for a, n in zip(spec, leaf.shape))
-        lines.append(f"  {name:<34} [{dims}] {leaf.dtype}")
-    lines += ["", "sites (layouts per block; 'layers.X' stacks the blocks that have X's host, as 'vision.layers.X' "
-                  "does a tower's):"]
-    hosts: dict[str, list] = {}
-    for name in sorted(model.sites, key=list(SITES).index):
-        hosts.setdefault(SITES[name].host, []).append(SITES[name])
-    for host, sites in hosts.items():
-        blocks = ""
-        sizes = axis_sizes(model.config, sites[0].stack or host)
-        if sites[0].per_block:
-            blocks = f"  × {len(model.blocks_for(sites[0].name))} blocks"
-        lines.append(f"  {host}{blocks}")
-        for s in sites:
-            shape = ", ".join(f"{a}" + (f"={sizes[a]}" if a in sizes else "") for a in s.layout)
-            ro = "" if s.editable else "  (read-only)"
-            only = ""
-            if s.per_block and model.blocks_for(s.name) != model.blocks_for(sites[0].name):
-                only = f"  (blocks {', '.join(map(str, model.blocks_for(s.name)))} only)"
-            lines.append(f"    {s.name.rsplit('.', 1)[-1]:<26} [{shape}]{ro}{only}")
-            lines.append(f"      {s.meaning}")
-    return "\n".join(lines)
-
-
-INDUCTION = Path(__file__).parent / "assets" / "induction-llama"
+ASSET = Path(__file__).parent.parent / "assets" / "tiny-llama"
+INDUCTION = Path(__file__).parent.parent / "assets" / "induction-llama"
 DEMO_PROMPT = "the baker sat near this old river with one green boat"
 
 
@@ -122,8 +67,6 @@ def demo(path=INDUCTION, prompt=None, figures="jstd-demo-figures", period: int =
     import jax
     import jax.numpy as jnp
     import numpy as np
-
-    import jstd
 
     t0 = time.time()
     model = jstd.load(path)
@@ -276,47 +219,16 @@ def demo(path=INDUCTION, prompt=None, figures="jstd-demo-figures", period: int =
     print(f"\ndone in {time.time() - t0:.1f} s")
 
 
-# subcommands that live with their capability: name -> module with ``add_arguments`` and ``command``
-COMMANDS: dict[str, str] = {
-    "convert": "jstd.io.convert", "export": "jstd.io.convert",  # one module, both parsers (added once)
-    "generate": "jstd.generate",
-    "collect": "jstd.collect",
-}
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="jstd", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="induction on the embedded trained model: copying, heads, patching, ablation, "
-                                    "steering, figures")
+def add_arguments(subparsers) -> None:
+    d = subparsers.add_parser("demo", help="induction on the embedded trained model: copying, heads, patching, "
+                                           "ablation, steering, figures")
     d.add_argument("--model", default=str(INDUCTION),
                    help="a checkpoint folder or repo id (default: the embedded induction model)")
     d.add_argument("--prompt", default=None, help="text the model sees twice (default: a sentence of its words)")
     d.add_argument("--figures", default="jstd-demo-figures", metavar="DIR",
                    help="folder for the PNG figures (default: ./jstd-demo-figures; '' for none)")
-    i = sub.add_parser("inspect", help="print a model's parameters and standard sites with layouts and shapes")
-    i.add_argument("path", nargs="?", default=str(ASSET))
-    commands = {}
-    for name in COMMANDS:  # each module: add_arguments(subparsers) -> its parser; command(args) -> exit status
-        module = importlib.import_module(COMMANDS[name])
-        module.add_arguments(sub)
-        commands[name] = module.command
-    args = parser.parse_args(argv)
-    if args.command in commands:
-        return commands[args.command](args)
-    if args.command == "demo":
-        demo(args.model, args.prompt, args.figures)
-    else:
-        import jstd
 
-        try:
-            model = jstd.load(args.path)
-        except (OSError, ValueError) as e:  # a missing path, a bad checkpoint (CheckpointError), an unsupported model
-            print(f"jstd inspect: {' '.join(str(e).split())}", file=sys.stderr)
-            return 1
-        print(describe(model))
+
+def command(args) -> int:
+    demo(args.model, args.prompt, args.figures)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

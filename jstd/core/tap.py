@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from jstd.edits import Edit
+from jstd.core.edits import Edit
 from jstd.kernels.rounding import rounded
-from jstd.sites import SITES, SiteError
+from jstd.core.sites import SITES, SiteError
 
 
 class Taps(Protocol):

@@ -3,7 +3,7 @@ command line.
 
 One compiled ``jstd.run`` per batch shape reads the sites; a writer thread moves each batch's values to the
 current shard while the next batch computes; padding and filler rows never reach the disk. The format and its
-reader are in ``jstd/activations.py``.
+reader are in ``jstd/collect/dataset.py``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jstd.activations import (FORMAT, INDEX, ROW_MAP, VERSION, ActivationDataset, bfloat16_safe, read_index,
+from jstd.collect.dataset import (SAFETENSORS_DTYPE, FORMAT, INDEX, ROW_MAP, VERSION, ActivationDataset, bfloat16_safe, read_index,
                               shard_name, write_json, write_shard)
-from jstd.inputs import Inputs
-from jstd.sites import SITES, SiteError, parse
+from jstd.core.edits import as_edits
+from jstd.core.inputs import Inputs
+from jstd.io.load import load
+from jstd.io.processor import load_processor
+from jstd.run import check_sites, run
+from jstd.core.sites import SITES, SiteError, parse
 
 SHARD_BYTES = 256 * 2**20
 MIN_BUCKET = 16
@@ -84,9 +88,6 @@ def collect(
     model lacks, and the OSError of a failed write (a full disk) after the complete shards are recorded:
     never a silently short dataset.
     """
-    from jstd.io.load import load
-    from jstd.run import check_sites
-
     path = None
     if isinstance(model, (str, os.PathLike)):
         path = str(model)
@@ -107,8 +108,6 @@ def collect(
         if path is None:
             raise ValueError("collect on texts needs the tokenizer: pass processor=jstd.load_processor(path), "
                              "or give the model as its path")
-        from jstd import load_processor
-
         processor = load_processor(path)
     settings = dict(sites=list(sites), positions=positions_key, batch_size=batch_size, max_length=max_length,
                     lengths=list(lengths), dtype=write_dtype, edits=_edits_key(edits), model=_model_key(model),
@@ -124,8 +123,6 @@ def collect(
     verified = done == 0
     if not verified:
         index["complete"] = False
-    from jstd.edits import as_edits
-
     edits_tuple = as_edits(edits)
     try:
         for batch in batches:
@@ -196,8 +193,6 @@ def bucket_lengths(max_length: int, lengths: Sequence[int] | None) -> tuple[int,
 @functools.partial(jax.jit, static_argnames=("sites", "last", "dtype"))
 def _step(model, inputs: Inputs, edits, last_index, *, sites: tuple[str, ...], last: bool, dtype: str | None):
     """Each site as ``[batch·seq, …]`` rows (``[batch, …]`` at ``last_index`` when ``last``), in ``dtype``."""
-    from jstd.run import run
-
     out = run(model, inputs, edits, reads=sites)
     values = {}
     for s in sites:
@@ -523,8 +518,6 @@ def _bar(progress: bool):
 
 
 def _dtype_name(dtype) -> str:
-    from jstd.activations import SAFETENSORS_DTYPE
-
     return SAFETENSORS_DTYPE[np.dtype(dtype)]
 
 
@@ -578,8 +571,6 @@ def _positions_key(positions) -> str:
 
 
 def _edits_key(edits) -> str:
-    from jstd.edits import as_edits
-
     leaves, treedef = jax.tree.flatten(as_edits(edits))
     h = hashlib.sha256(re.sub(r" at 0x[0-9a-f]+", "", str(treedef)).encode())
     for leaf in leaves:
@@ -615,57 +606,3 @@ def _model_key(model) -> str:
 def _sums(leaves):
     return jnp.stack([jnp.stack([jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.square(x.astype(jnp.float32)))])
                       for x in leaves])
-
-
-# ---- the command line -----------------------------------------------------------------------------------------
-
-
-def add_arguments(subparsers):
-    p = subparsers.add_parser("collect", help="collect sites over a corpus to disk (safetensors shards + index.json)")
-    p.add_argument("path", help="a checkpoint folder or repo id")
-    p.add_argument("--sites", nargs="+", required=True, metavar="SITE",
-                   help="sites with a token axis, e.g. layers.layer_output layers.3.mlp.mlp_neurons")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--texts", metavar="FILE", help="a text file, one document per line")
-    src.add_argument("--dataset", metavar="DIR", help="a datasets.Dataset saved with save_to_disk (needs datasets)")
-    p.add_argument("--column", default="text", help="the dataset's text column (default: text)")
-    p.add_argument("--split", default=None, help="the split of a saved DatasetDict (train, test…)")
-    p.add_argument("--out", required=True, metavar="DIR", help="the output folder (new, empty, or one to resume)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-length", type=int, default=256, help="documents are cut to their first N tokens")
-    p.add_argument("--positions", choices=("all", "last"), default="all")
-    p.add_argument("--dtype", default=None, help="dtype written (float32, bfloat16, float16; default: the model's)")
-    p.add_argument("--shard-mb", type=float, default=SHARD_BYTES / 2**20, help="shard size in MiB (default 256)")
-    return p
-
-
-def command(args) -> int:
-    if args.texts is not None:
-        texts_path = Path(args.texts)
-        if not texts_path.is_file():
-            print(f"jstd collect: no such file: {texts_path}", file=sys.stderr)
-            return 1
-        handle = open(texts_path, encoding="utf-8")
-        data = (line.rstrip("\n") for line in handle)
-    else:
-        try:
-            from datasets import load_from_disk
-        except ImportError:
-            print("jstd collect: --dataset needs the datasets package (pip install datasets); or write the texts "
-                  "one per line and pass --texts FILE", file=sys.stderr)
-            return 1
-        handle, data = None, load_from_disk(args.dataset)
-        if args.split is not None:
-            data = data[args.split]
-    try:
-        ds = collect(args.path, data, args.sites, args.out, column=args.column, batch_size=args.batch_size,
-                     max_length=args.max_length, positions=args.positions, dtype=args.dtype,
-                     shard_bytes=int(args.shard_mb * 2**20))
-    except (OSError, ValueError, TypeError, SiteError) as e:
-        print(f"jstd collect: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
-    finally:
-        if handle is not None:
-            handle.close()
-    print(ds)
-    return 0

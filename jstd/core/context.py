@@ -32,7 +32,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from jstd.kernels.attention import positions_and_mask
-from jstd.sites import SiteError
+from jstd.core.sites import SiteError
 
 
 KEYS, VALUES = "layers.self_attn.attention_keys", "layers.self_attn.attention_values"

@@ -60,3 +60,30 @@ def split_in(heads: int):
 def split(heads: int):
     """[heads*dim] -> [heads, dim]: a per-head bias."""
     return lambda b: b.reshape(heads, -1)
+
+
+# ---- tree paths, dotted as the name maps write them ("layers.blocks.0.self_attn.q") -------------------------------
+
+def at_path(tree, path: str):
+    """The node of ``tree`` at the dotted ``path`` (attribute names; digits index tuples)."""
+    for part in path.split("."):
+        tree = tree[int(part)] if part.isdigit() else getattr(tree, part)
+    return tree
+
+
+def replace_at(tree, paths, leaves):
+    """``tree`` with the node at each of ``paths`` replaced by the matching one of ``leaves``."""
+    import equinox as eqx
+
+    return eqx.tree_at(lambda t: [at_path(t, p) for p in paths], tree, leaves)
+
+
+def leaf_paths(tree) -> list[tuple[str, object]]:
+    """``(path, leaf)`` for each leaf of ``tree`` in flattening order, paths dotted as the name maps write them."""
+    import jax
+
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = [str(getattr(k, "name", getattr(k, "idx", getattr(k, "key", k)))) for k in path]
+        out.append((".".join(parts), leaf))
+    return out

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Int
 
-from jstd.sites import SITES, SiteError, parse
+from jstd.core.sites import SITES, SiteError, parse
 
 # what ``positions=`` selects: text positions, patches, and the image-token rows a wrapper's projector returns
 # (``projector.output``: one image's tokens; ``vision.image_features``: every image token of the batch, in order)

@@ -1,0 +1,26 @@
+"""The ``jstd`` command: ``demo`` (the embedded induction model), ``inspect`` (a model's sites), ``convert`` and
+``export``, ``generate``, ``collect``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jstd.cli import collect, convert, demo, generate, inspect
+
+# each module: add_arguments(subparsers) adds its parser(s); command(args) -> exit status
+COMMANDS = {"demo": demo, "inspect": inspect, "convert": convert, "export": convert, "generate": generate,
+            "collect": collect}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="jstd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in dict.fromkeys(COMMANDS.values()):
+        module.add_arguments(sub)
+    args = parser.parse_args(argv)
+    return COMMANDS[args.command].command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The registry: every family, tower and wrapper jstd serves, by the ``model_type`` it serves; the ones it knowingly
+refuses; which sites each serves (``docs/values.md``). The only module that knows every family."""
+
+from __future__ import annotations
+
+from jstd.core.sites import SITES, Site
+from jstd.models.hyperclovax import HyperCLOVAX
+from jstd.models.llama import Llama
+from jstd.models.olmo_hybrid import OlmoHybrid
+from jstd.models.qwen2 import Qwen2VLText
+from jstd.models.qwen3_vl import Qwen3VLText
+from jstd.models.qwen3_5 import Qwen3_5Text
+from jstd.vision.deepseek_vl import DeepseekVL
+from jstd.vision.idefics3 import Idefics3, SmolVLM
+from jstd.vision.llava import Llava, VipLlava
+from jstd.vision.llava_next import LlavaNext
+from jstd.vision.qwen2_vl import HyperCLOVAXVisionV2, Qwen2VL, QwenVisionTower
+from jstd.vision.qwen3_vl import Qwen3_5VL, Qwen3VisionTower, Qwen3VL
+from jstd.vision.towers import CLIPVision, SiglipVision
+
+FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwen3_5Text, CLIPVision, SiglipVision, Llava,
+                           VipLlava, DeepseekVL, LlavaNext, Idefics3, SmolVLM, QwenVisionTower, Qwen2VL,
+                           HyperCLOVAXVisionV2, Qwen3VLText, Qwen3VL, Qwen3VisionTower, Qwen3_5VL)
+            for t in f.model_types}
+
+# model_types jstd knowingly does not serve, with the reason the loader gives
+REFUSED = {
+    t: f"{t} is Qwen3-VL's mixture-of-experts line, which jstd does not serve (no MoE blocks); the dense Qwen3-VL "
+       "checkpoints (model_type qwen3_vl) are supported"
+    for t in ("qwen3_vl_moe", "qwen3_vl_moe_text")
+} | {
+    t: f"{t} is Qwen3.5's mixture-of-experts line, which jstd does not serve (no MoE blocks); the dense Qwen3.5 "
+       "checkpoints (model_type qwen3_5, and its text model qwen3_5_text) are supported"
+    for t in ("qwen3_5_moe", "qwen3_5_moe_text")
+}
+
+
+def family_for(model_type: str | None, where: str = "the config"):
+    """The family serving ``model_type``; ValueError listing jstd's families when there is none (``where``: the
+    file named in the message)."""
+    if model_type in REFUSED:
+        raise ValueError(f"{REFUSED[model_type]} (in {where})")
+    if model_type not in FAMILIES:
+        what = "no model_type" if model_type is None else f"unsupported model_type {model_type!r}"
+        raise ValueError(f"{what}; jstd supports: {', '.join(sorted(FAMILIES))} (in {where}; to add a family see "
+                         "docs/architecture.md, 'Adding a family')")
+    return FAMILIES[model_type]
+
+
+def served_sites() -> dict[str, tuple[str, ...]]:
+    """Site -> the families and towers that serve it, from each family's model on transformers' default config
+    for its first model_type (shapes only: no weights are made)."""
+    import jax.numpy as jnp
+    from transformers import AutoConfig
+
+    served: dict[str, list[str]] = {}
+    for family in dict.fromkeys(FAMILIES.values()):
+        model = family.skeleton(AutoConfig.for_model(family.model_types[0]), jnp.float32)
+        for site in model.sites:
+            served.setdefault(site, []).append(family.family)
+    return {site: tuple(names) for site, names in served.items()}
+
+
+def values_markdown(served: dict[str, tuple[str, ...]] | None = None) -> str:
+    """docs/values.md: every site some family or tower serves, with the ones that serve it (``served``: site ->
+    family names; by default ``served_sites()``). Tests check the file is current."""
+    served = served_sites() if served is None else served
+    lines = [
+        "# Standard values",
+        "",
+        "Generated from `jstd/core/sites.py` and the families' declarations by `make docs`; do not edit by hand.",
+        "",
+        '`"layers.X"` reads site X stacked over the blocks that have its host (block axis first);',
+        '`"layers.5.X"` reads or edits block 5 alone; `"vision.layers.X"` and `"vision.layers.5.X"` do the same',
+        "on a vision tower's blocks. Layouts are per host (per block). *Served by* lists the families and towers",
+        "that compute the value; names in the vocabulary that nothing serves yet are left out.",
+        "",
+    ]
+    by_host: dict[str, list[Site]] = {}
+    for s in SITES.values():
+        if served.get(s.name):
+            by_host.setdefault(s.host, []).append(s)
+    for host, sites in by_host.items():
+        lines += [f"## `{host}`", "", "| site | layout | editable | served by | meaning |", "| --- | --- | --- | --- | --- |"]
+        for s in sites:
+            lines.append(f"| `{s.name}` | [{', '.join(s.layout)}] | {'yes' if s.editable else 'read-only'} | "
+                         f"{', '.join(served[s.name])} | {s.meaning} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
