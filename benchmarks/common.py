@@ -1,14 +1,20 @@
-"""Shared benchmark helpers: timing, tiny random checkpoints, peak memory in a subprocess."""
+"""Shared benchmark helpers: timing, tiny random checkpoints, peak memory in a subprocess, table headings, and
+the text forward benchmark (olmo_hybrid.py, qwen3_5.py)."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+WORK = Path(tempfile.gettempdir()) / "jstd-bench"   # the random checkpoints, saved once
+BATCH, SEQ = 4, 256                                 # the text forward benchmarks' random tokens
 
 
 def timeit(fn, repeats: int = 7, warmup: int = 2) -> float:
@@ -57,25 +63,39 @@ def compare(torch_forward, jstd_forward, reads, repeats: int) -> dict:
     return dict(torch=t_torch, jstd=both["jstd"][0], reads=both["reads"][0], err=err)
 
 
+def torch_call(ref, output: str, *args, **kwargs):
+    """A callable running the torch module ``ref(*args, **kwargs)`` under ``torch.inference_mode``; it returns the
+    result's ``output`` field (a tensor)."""
+    import torch
+
+    def forward():
+        with torch.inference_mode():
+            return getattr(ref(*args, **kwargs), output)
+    return forward
+
+
+def jstd_call(model, inputs, always: tuple = ()):
+    """``jstd_forward(reads)``: the blocked ``jax.jit(jstd.run)`` Outputs of ``model`` on ``inputs`` reading
+    ``always + reads`` (as ``compare`` takes it)."""
+    import jax
+
+    import jstd
+
+    run = jax.jit(jstd.run, static_argnames="reads")
+    return lambda reads: jax.block_until_ready(run(model, inputs, reads=always + reads))
+
+
 def forward_callables(folder, tokens):
     """``(torch_forward, jstd_forward)`` for the causal LM in ``folder`` on ``tokens`` (as ``compare`` takes them):
     transformers' model with sdpa attention in float32, and the blocked ``jax.jit(jstd.run)``."""
-    import jax
     import torch
     from transformers import AutoModelForCausalLM
 
     import jstd
 
     ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
-    ids = torch.as_tensor(tokens)
-
-    def torch_forward():
-        with torch.inference_mode():
-            return ref(input_ids=ids).logits
-
-    model = jstd.load(folder)
-    run = jax.jit(jstd.run, static_argnames="reads")
-    return torch_forward, lambda reads: jax.block_until_ready(run(model, tokens, reads=reads))
+    torch_forward = torch_call(ref, "logits", input_ids=torch.as_tensor(tokens))
+    return torch_forward, jstd_call(jstd.load(folder), tokens)
 
 
 def forward_timings(folder, tokens, reads, repeats: int) -> dict:
@@ -100,6 +120,14 @@ def forward_rows(t_torch: float, t_jstd: float, t_reads: float, per_call: int, u
     ]
 
 
+def versions() -> str:
+    """``torch <version> threads <n>, jax <version>, <n> cores``: the start of every table's heading."""
+    import jax
+    import torch
+
+    return f"torch {torch.__version__} threads {torch.get_num_threads()}, jax {jax.__version__}, {os.cpu_count()} cores"
+
+
 def print_table(heading: str, rows) -> None:
     """``heading``, then ``rows`` of (figure, ratio, detail) as a markdown table."""
     print(heading)
@@ -116,18 +144,64 @@ def checkpoint(config, folder, seed=0):
     return Path(folder)
 
 
-def compile_seconds(family, hf_config, batch: int, seq: int) -> float:
-    """Trace + compile time of jit(run) on ``family``'s skeleton for ``hf_config`` (shapes only, no weights)."""
+def compile_time(skeleton, inputs) -> float:
+    """Trace + compile time of jit(run) on ``skeleton`` (shapes only, no weights) and ``inputs`` (made of
+    ``jax.ShapeDtypeStruct``)."""
     import jax
-    import jax.numpy as jnp
 
     import jstd
 
-    skeleton = family.skeleton(hf_config, jnp.float32)
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     t = time.perf_counter()
-    jax.jit(jstd.run).lower(skeleton, tokens).compile()
+    jax.jit(jstd.run).lower(skeleton, inputs).compile()
     return time.perf_counter() - t
+
+
+def compile_seconds(family, hf_config, batch: int = BATCH, seq: int = SEQ) -> float:
+    """Trace + compile time of jit(run) on ``family``'s skeleton for ``hf_config`` on ``[batch, seq]`` tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    return compile_time(family.skeleton(hf_config, jnp.float32), jax.ShapeDtypeStruct((batch, seq), jnp.int32))
+
+
+def text_checkpoint(make_config, name: str, vocab: int):
+    """``(folder, tokens)``: the random checkpoint of ``make_config(8)`` (8 blocks) saved once as ``WORK / name``,
+    and ``[BATCH, SEQ]`` random tokens below ``vocab`` (seed 0)."""
+    import numpy as np
+
+    folder = checkpoint(make_config(8), WORK / name)
+    return folder, np.random.default_rng(0).integers(0, vocab, (BATCH, SEQ))
+
+
+def repeats_parser(**more: str) -> argparse.ArgumentParser:
+    """The text benchmarks' parser: ``--repeats N`` (default 7) and a store-true flag per ``more`` (name: help)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=7)
+    for flag, help in more.items():
+        parser.add_argument(f"--{flag.replace('_', '-')}", action="store_true", help=help)
+    return parser
+
+
+def text_benchmark(family, make_config, name: str, vocab: int, states, read_what: str, repeats: int,
+                   interleaved: bool = False, no_compile: bool = False) -> None:
+    """Print the forward benchmark of a causal LM against transformers (sdpa, float32) as a markdown table: the
+    ``forward_rows`` of ``text_checkpoint(make_config, name, vocab)`` reading ``states`` (``read_what`` names them),
+    compile time of ``family`` at 16 and 64 blocks (NaN with ``no_compile``); with ``interleaved`` a second row,
+    torch and jstd timed run for run (median; best)."""
+    folder, tokens = text_checkpoint(make_config, name, vocab)
+    torch_forward, jstd_forward = forward_callables(folder, tokens)
+    t = compare(torch_forward, jstd_forward, states, repeats)
+    # the two interleaved too, run for run, so that load from other processes hits both alike: median and best
+    both = time_interleaved({"torch": torch_forward, "jstd": lambda: jstd_forward(())}, repeats) if interleaved else {}
+    # depths not compiled above (no cache hit)
+    seconds = lambda layers: float("nan") if no_compile else compile_seconds(family, make_config(layers))
+    rows = forward_rows(t["torch"], t["jstd"], t["reads"], BATCH * SEQ, "tok", f"logits max rel. diff {t['err']:.1e}",
+                        read_what, (16, seconds(16), 64, seconds(64)))
+    if interleaved:
+        (tm, tb), (jm, jb) = both["torch"], both["jstd"]
+        rows.insert(1, ("forward throughput, interleaved runs (median; best)", f"{tm / jm:.2f}x; {tb / jb:.2f}x",
+                        f"jstd {jm * 1e3:.0f} / {jb * 1e3:.0f} ms, torch {tm * 1e3:.0f} / {tb * 1e3:.0f} ms"))
+    print_table(f"{versions()}; batch {BATCH} x {SEQ} tokens, float32", rows)
 
 
 def run_json(code: str) -> dict:

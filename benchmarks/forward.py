@@ -10,16 +10,13 @@ markdown table of ratios (paste into docs/benchmarks.md).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import common
-from common import checkpoint, forward_timings, print_table
+from common import forward_timings, print_table, repeats_parser, text_checkpoint, versions
 
 SIZE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4, vocab_size=8192,
             max_position_embeddings=1024, rms_norm_eps=1e-5)
@@ -35,7 +32,7 @@ def llama_config(layers):
 def compile_seconds(layers: int) -> float:
     from jstd.models.llama import Llama
 
-    return common.compile_seconds(Llama, llama_config(layers), 4, 256)
+    return common.compile_seconds(Llama, llama_config(layers))
 
 
 def load_memory(folder: Path) -> dict:
@@ -57,17 +54,8 @@ print(json.dumps(dict(base=base, peak=peak)))
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
-
-    import jax
-    import numpy as np
-    import torch
-
-    work = Path(tempfile.gettempdir()) / "jstd-bench"
-    folder = checkpoint(llama_config(8), work / "llama-8x512")
-    tokens = np.random.default_rng(0).integers(0, SIZE["vocab_size"], (4, 256))
+    args = repeats_parser().parse_args()
+    folder, tokens = text_checkpoint(llama_config, "llama-8x512", SIZE["vocab_size"])
     t = forward_timings(folder, tokens, RESIDUAL, args.repeats)
     t_torch, t_jstd, t_reads = t["torch"], t["jstd"], t["reads"]
 
@@ -86,8 +74,7 @@ def main():
         ("peak memory added while loading / checkpoint size on disk", f"{added / disk:.2f}x",
          f"{added / 2**20:.0f} MiB for {disk / 2**20:.0f} MiB"),
     ]
-    print_table(f"torch {torch.__version__} threads {torch.get_num_threads()}, jax {jax.__version__}, "
-                f"{os.cpu_count()} cores", rows)
+    print_table(versions(), rows)
 
 
 if __name__ == "__main__":

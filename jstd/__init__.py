@@ -15,7 +15,8 @@ from jstd.core.edits import Add, Apply, Edit, Scale, Set, Zero
 from jstd.io.hf import ConfigWarning, generation_config
 from jstd.io.load import load
 from jstd.io.processor import load_processor
-from jstd.io.convert import convert, export
+from jstd.io.export import export
+from jstd.io.stacked import convert
 from jstd.interventions.reading import token_strings
 from jstd.io.safetensors import CheckpointError
 from jstd.models.base import logical_axes

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import re
-import weakref
 from typing import NamedTuple, Sequence
 
 import equinox as eqx
@@ -14,9 +12,11 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.core.context import Context, check_context
-from jstd.core.edits import as_edits, block_ranges, check_layer, check_left_padded
+from jstd.core.checks import check_message, checked
+from jstd.core.edits import as_edits, check_left_padded
 from jstd.core.inputs import Inputs, as_inputs, token_array, with_layout
 from jstd.core.jit import combine, partition
+from jstd.core.memo import per_model
 from jstd.models.base import Model
 from jstd.core.sites import SITES, SiteError, near, parse
 from jstd.core.tap import Tap
@@ -66,7 +66,7 @@ def check_sites(model: Model, names: Sequence[str], what: str) -> None:
                 + (f" Nearest names it has: {', '.join(hint)}." if hint else "")
             )
         if index is not None:
-            _check_block(model, base, index, f"{what} {name!r}")
+            model.row_of(base, index, f"{what} {name!r}")
         served.add(name)
 
 
@@ -78,22 +78,7 @@ class _ModelMemo(NamedTuple):
     split: tuple
 
 
-_MEMOS: dict[int, tuple[weakref.ref, _ModelMemo]] = {}  # id(model) -> (the model, its memo); dropped with the model
-
-
-def _memo(model: Model) -> _ModelMemo:
-    entry = _MEMOS.get(id(model))
-    if entry is None or entry[0]() is not model:
-        drop = lambda _, key=id(model): _MEMOS.pop(key, None)
-        entry = _MEMOS[id(model)] = (weakref.ref(model, drop), _ModelMemo(set(), partition(model)))
-    return entry[1]
-
-
-def _check_block(model: Model, site: str, index: int, what: str) -> None:
-    blocks = model.blocks_for(site)
-    L = model.depth(SITES[site].stack)
-    if not -L <= index < L or index % L not in blocks:
-        raise SiteError(f"{what}: block {index} does not exist or has no {SITES[site].host}; blocks with it: {block_ranges(blocks)}")
+_memo = per_model(lambda model: _ModelMemo(set(), partition(model)))  # dropped with the model
 
 
 def check_tokens(tokens, vocab_size: int):
@@ -104,16 +89,9 @@ def check_tokens(tokens, vocab_size: int):
     raise an equinox runtime error when the compiled call runs.
     """
     msg = f"token ids must lie in [0, {vocab_size}) for this model's vocabulary; check the tokenizer matches the checkpoint"
-    if not isinstance(tokens, jax.core.Tracer):
-        t = np.asarray(tokens)
-        if t.size and (t.min() < 0 or t.max() >= vocab_size):
-            bad = t[(t < 0) | (t >= vocab_size)]
-            raise ValueError(f"token id {int(bad.flat[0])} is out of range: {msg}")
-        return tokens  # in range, so jit's cast of int64 ids to int32 keeps every id
-    # the check raises through a scalar: eqx.error_if on the tokens themselves returns them from a host callback's
-    # branch, which makes XLA gather row-sharded tokens onto every device (an involuntary full rematerialization)
-    zero = eqx.error_if(jnp.zeros((), tokens.dtype), ((tokens < 0) | (tokens >= vocab_size)).any(), msg)
-    return tokens + zero
+    # in range, a concrete array is returned as it is: jit's cast of int64 ids to int32 then keeps every id
+    return checked(tokens, lambda xp, t: (t < 0) | (t >= vocab_size), msg,
+                   concrete=lambda t, bad: f"token id {int(t[bad].flat[0])} is out of range: {msg}")
 
 
 def run(
@@ -182,7 +160,7 @@ def run(
     if context is not None:
         if inputs.tokens is None:
             raise ValueError(f"a {model.family} model runs on images alone and has no cache to continue: drop context=")
-        check_context(model, context, inputs.tokens.shape, inputs.attention_mask, reads)
+        context = check_context(model, context, inputs.tokens.shape, inputs.attention_mask, reads)
     return _compiled(model, inputs, edits, context, reads)
 
 
@@ -220,14 +198,10 @@ def _compiled(model: Model, inputs: Inputs, edits: tuple, context: Context | Non
     try:
         return _jit_forward(model_dynamic, dynamic, structure, reads)
     except jax.errors.JaxRuntimeError as error:  # an eager call's failed check: its own message as the first line
-        message = _CHECK_FAILED.search(str(error))
+        message = check_message(error)
         if message is None:
             raise
-        raise ValueError(message.group(1).strip()) from None
-
-
-# the message of a failed ``eqx.error_if`` check inside a runtime error
-_CHECK_FAILED = re.compile(r"EquinoxRuntimeError: (.*?)(?:\n\s*\n|-{10}|$)", re.S)
+        raise ValueError(message) from None
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
@@ -265,12 +239,12 @@ def forward(model: Model, inputs: Inputs, edits: tuple, context: Context | None,
             if isinstance(recorded[base], dict):  # kept for the blocks read alone
                 values[name] = recorded[base][index]
             else:
-                values[name] = recorded[base][model.blocks_for(base).index(index)]
+                values[name] = recorded[base][model.row_of(base, index)]
     return Outputs(logits, values)
 
 
 def _check_layer(model: Model, edit):
-    """``edit`` with its ``layer`` checked (``jstd.core.edits.check_layer``); the caller uses the edit returned.
+    """``edit`` with its ``layer`` checked (``Model.check_block``); the caller uses the edit returned.
 
     A concrete bad layer (out of ``-L..L-1``, a block without the site's host,
     not one integer) raises SiteError now; a traced one (``jax.jit(jstd.run)``,
@@ -282,7 +256,7 @@ def _check_layer(model: Model, edit):
     served = _memo(model).served
     if key is not None and key in served:
         return edit
-    layer = check_layer(model, edit.site, edit.layer, f"{type(edit).__name__} at {edit.site}")
+    layer = model.check_block(edit.site, edit.layer, f"{type(edit).__name__} at {edit.site}")
     if key is not None:
         served.add(key)
     return edit if layer is edit.layer else eqx.tree_at(lambda e: e.layer, edit, layer)

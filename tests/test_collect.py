@@ -3,6 +3,7 @@ document's position (the run is tested against torch elsewhere), padding never r
 atomic and resumable, other settings are refused, write errors surface."""
 
 import errno
+import gc
 import importlib
 import json
 import sys
@@ -17,9 +18,10 @@ import jstd
 
 import jstd.cli
 from conftest import assert_close
+from jstd.core.memo import per_model
 
 collect_module = importlib.import_module("jstd.collect.driver")  # (jstd.collect is the function)
-dataset_module = importlib.import_module("jstd.collect.dataset")
+safetensors_module = importlib.import_module("jstd.io.safetensors")  # write_array: every tensor written
 
 INDUCTION = Path(jstd.__file__).parent / "assets" / "induction-llama"
 SITES = ("layers.layer_output", "layers.1.mlp.mlp_neurons", "layers.self_attn.attention_queries")
@@ -200,7 +202,7 @@ def test_write_error_surfaces_and_resumes(setup, collected, tmp_path, monkeypatc
     model, tok, texts = setup
     out = tmp_path / "full"
     writes = []
-    real_write = dataset_module.write_array
+    real_write = safetensors_module.write_array
 
     def disk_full(f, a):
         writes.append(f.name)
@@ -208,11 +210,11 @@ def test_write_error_surfaces_and_resumes(setup, collected, tmp_path, monkeypatc
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(f, a)
 
-    monkeypatch.setattr(dataset_module, "write_array", disk_full)
+    monkeypatch.setattr(safetensors_module, "write_array", disk_full)
     with pytest.raises(OSError, match="No space left on device.*complete shards are kept.*rerun") as e:
         jstd.collect(model, texts, SITES, out, processor=tok, **KW)
     assert e.value.errno == errno.ENOSPC
-    monkeypatch.setattr(dataset_module, "write_array", real_write)
+    monkeypatch.setattr(safetensors_module, "write_array", real_write)
     assert all(name.endswith(".safetensors.tmp") for name in writes)  # a shard is written under a temporary name
     index = json.loads((out / "index.json").read_text())
     assert not index["complete"] and len(index["shards"]) == 9
@@ -276,3 +278,19 @@ def test_image_prompts_on_a_wrapper(zoo, tmp_path):
     for half in (slice(0, n), slice(n, 2 * n)):
         assert_close(ds.read("layers.layer_output", half), np.asarray(out["layers.layer_output"])[:, r, p].swapaxes(0, 1))
         assert_close(ds.read("token_embeddings", half), np.asarray(out["token_embeddings"])[r, p])
+
+
+def test_per_model_memo_follows_the_model_object():
+    """The resume key's memo (``jstd.core.memo.per_model``): computed once per live object, by identity, and
+    dropped with it."""
+    calls = []
+    get = per_model(lambda m: calls.append(m) or len(calls))
+
+    class Model:
+        pass
+
+    a, b = Model(), Model()
+    assert (get(a), get(a), get(b), get(a)) == (1, 1, 2, 1) and len(calls) == 2
+    del a, calls[:]
+    gc.collect()
+    assert list(get.entries) == [id(b)] and get(b) == 2

@@ -15,7 +15,10 @@ from safetensors.numpy import load_file
 import families
 import jstd
 from conftest import assert_close
-from jstd.io import convert as conv
+from jstd.io import export as export_module
+from jstd.io import stacked
+from jstd.io.safetensors import Writer
+from jstd.io.source import with_source
 from jstd.models.namemap import leaf_paths
 
 
@@ -49,9 +52,9 @@ def test_round_trip_is_bit_exact(zoo, case, tmp_path):
     exporting the converted model gives back every tensor the family reads, bit for bit."""
     _, folder, model, _, _ = zoo(case)
     before = digest(folder)
-    dst = conv.convert(folder, tmp_path / "jstd", progress=False)
+    dst = stacked.convert(folder, tmp_path / "jstd", progress=False)
     assert digest(folder) == before
-    assert conv.is_converted(dst) and not conv.is_converted(folder)
+    assert stacked.is_converted(dst) and not stacked.is_converted(folder)
     side = {p.name for p in folder.iterdir() if not p.name.endswith(".safetensors")}
     assert side <= {p.name for p in dst.iterdir()}
     assert (dst / "config.json").read_bytes() == (folder / "config.json").read_bytes()
@@ -70,14 +73,14 @@ def test_dtype_cast_and_sharded_layout(zoo, tmp_path):
     """convert(dtype=bfloat16) stores what jstd.load(dtype=bfloat16) gives; loading it as float32 widens exactly;
     small shards give an index and the same model."""
     _, folder, model, _, _ = zoo("llama-gqa")
-    dst = conv.convert(folder, tmp_path / "bf16", dtype="bfloat16", progress=False)
-    assert json.loads((dst / conv.MARKER).read_text())["dtype"] == "bfloat16"
+    dst = stacked.convert(folder, tmp_path / "bf16", dtype="bfloat16", progress=False)
+    assert json.loads((dst / stacked.MARKER).read_text())["dtype"] == "bfloat16"
     assert_same_model(jstd.load(folder, dtype="bfloat16"), jstd.load(dst))
     wide = jstd.load(dst, dtype="float32")
     for x, y in zip(jax.tree.leaves(wide), jax.tree.leaves(jstd.load(folder, dtype="bfloat16"))):
         assert x.dtype == np.float32 and np.array_equal(np.asarray(x), np.asarray(y, np.float32))
 
-    sharded = conv.convert(folder, tmp_path / "sharded", progress=False, shard_bytes=20_000)
+    sharded = stacked.convert(folder, tmp_path / "sharded", progress=False, shard_bytes=20_000)
     shards = sorted(p.name for p in sharded.glob("*.safetensors"))
     assert len(shards) > 2 and (sharded / "model.safetensors.index.json").exists()
     loaded = jstd.load(sharded)
@@ -96,15 +99,15 @@ def test_destination_rules_and_interruption(zoo, tmp_path, monkeypatch):
     before = digest(src)
     for bad in (src, src / "sub", tmp_path):
         with pytest.raises(ValueError, match="source"):
-            conv.convert(src, bad, progress=False)
+            stacked.convert(src, bad, progress=False)
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "keep.txt").write_text("x")
     with pytest.raises(ValueError, match="not empty.*force"):
-        conv.convert(src, taken, progress=False)
+        stacked.convert(src, taken, progress=False)
     assert (taken / "keep.txt").exists()
 
-    real = conv._Writer.write
+    real = Writer.write
     calls = []
 
     def interrupted(self, name, array):
@@ -113,14 +116,14 @@ def test_destination_rules_and_interruption(zoo, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(self, name, array)
 
-    monkeypatch.setattr(conv._Writer, "write", interrupted)
+    monkeypatch.setattr(Writer, "write", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        conv.convert(src, taken, progress=False, force=True)
+        stacked.convert(src, taken, progress=False, force=True)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "taken"]  # no partial folder left behind
     assert [p.name for p in taken.iterdir()] == ["keep.txt"]  # the old destination is intact
 
-    conv.convert(src, taken, progress=False, force=True)
+    stacked.convert(src, taken, progress=False, force=True)
     assert not (taken / "keep.txt").exists()
     assert_same_model(model, jstd.load(taken))
     assert digest(src) == before
@@ -130,7 +133,7 @@ def test_bad_converted_checkpoints_name_the_file(zoo, tmp_path):
     """A truncated or corrupted shard, a newer format version and a marker describing another model raise
     CheckpointError naming the problem."""
     _, folder, _, _, _ = zoo("llama-gqa")
-    good = conv.convert(folder, tmp_path / "good", progress=False, shard_bytes=20_000)
+    good = stacked.convert(folder, tmp_path / "good", progress=False, shard_bytes=20_000)
     shard = sorted(good.glob("model-*.safetensors"))[1]
 
     def broken(name):
@@ -150,8 +153,8 @@ def test_bad_converted_checkpoints_name_the_file(zoo, tmp_path):
         jstd.load(bad)
 
     newer = broken("newer")
-    meta = json.loads((newer / conv.MARKER).read_text())
-    (newer / conv.MARKER).write_text(json.dumps({**meta, "version": conv.VERSION + 1}))
+    meta = json.loads((newer / stacked.MARKER).read_text())
+    (newer / stacked.MARKER).write_text(json.dumps({**meta, "version": stacked.VERSION + 1}))
     with pytest.raises(jstd.CheckpointError, match="newer jstd"):
         jstd.load(newer)
 
@@ -164,7 +167,7 @@ def test_bad_converted_checkpoints_name_the_file(zoo, tmp_path):
         return any(widen(c) for c in children)
 
     assert widen(meta["structure"])
-    (other / conv.MARKER).write_text(json.dumps(meta))
+    (other / stacked.MARKER).write_text(json.dumps(meta))
     named = r"parameter '[\w.]+' in model-\d{5}-of-\d{5}\.safetensors is float32"
     with pytest.raises(jstd.CheckpointError, match=named):
         jstd.load(other)
@@ -225,11 +228,11 @@ def test_cli_and_refusals(zoo, tmp_path, capsys):
     assert "tokenizer.json" not in src and (tmp_path / "e" / "generation_config.json").exists()
 
     with pytest.raises(ValueError, match="model.source is None"):
-        jstd.export(conv.with_source(model, None), tmp_path / "x")
+        jstd.export(with_source(model, None), tmp_path / "x")
     for scaled in (lambda w: w.T * 2, lambda w: 1 + w, np.abs):  # np.abs: a value change no index check sees
         with pytest.raises(ValueError, match="not a pure re-layout"):
-            conv._inverse_index(Entry("w", "w", scaled), (3, 4), "w", "w")
-    assert conv._inverse_index(Entry("w", "w", lambda w: w.T), (3, 4), "w", "w").shape == (4, 3)
+            export_module._inverse_index(Entry("w", "w", scaled), (3, 4), "w", "w")
+    assert export_module._inverse_index(Entry("w", "w", lambda w: w.T), (3, 4), "w", "w").shape == (4, 3)
     assert not (tmp_path / "x").exists()
 
     # the tensors CLIP's family does not read come from the folder the model was loaded from; gone, export warns
@@ -252,5 +255,14 @@ def test_checkpoints_converted_by_earlier_jstd_still_load(case, monkeypatch):
     commit 578b417 from the tiny HF checkpoint beside it) loads from its recorded structure, never falling back
     to transformers, into the model ``jstd.load`` makes of the HF folder, bit for bit."""
     fresh = jstd.load(OLD / case / "hf")
-    monkeypatch.setattr(conv, "_rebuilt_skeleton", lambda *a: pytest.fail(f"{a[-1]!r}: the structure did not decode"))
+    monkeypatch.setattr(stacked, "_rebuilt_skeleton", lambda *a: pytest.fail(f"{a[-1]!r}: the structure did not decode"))
     assert_same_model(fresh, jstd.load(OLD / case / "jstd"))
+
+
+def test_small_shards_each_holding_filler_tensors_load(tmp_path):
+    """A conversion into small shards, several holding filler tensors (each shard numbers its own from
+    ``__jstd_padding__.0``), loads into the model of its HF folder, bit for bit."""
+    hf = OLD / "llava" / "hf"
+    dst = stacked.convert(hf, tmp_path / "sharded", progress=False, shard_bytes=20_000)
+    assert len([f for f in dst.glob("model-*.safetensors") if "__jstd_padding__.0" in load_file(f)]) > 1
+    assert_same_model(jstd.load(hf), jstd.load(dst))

@@ -24,11 +24,8 @@ import jstd
 torch = pytest.importorskip("torch")
 hf = pytest.importorskip("transformers.models.olmo_hybrid.modeling_olmo_hybrid")
 
-from jstd.kernels.gated_delta import (  # noqa: E402
-    chunk_gated_delta_rule,
-    recurrent_gated_delta_rule,
-    unit_lower_inverse,
-)
+from jstd.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
+from jstd.kernels.triangular import unit_lower_inverse  # noqa: E402
 from jstd.kernels.pallas.gated_delta import pallas_chunk_gated_delta_rule  # noqa: E402
 from jstd.kernels.select import ENV_VAR, gated_delta_rule, select_gated_delta_kernel  # noqa: E402
 

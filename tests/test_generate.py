@@ -262,7 +262,7 @@ def test_the_decoding_loop_reads_every_weight_where_it_lies(zoo, name):
     import importlib
     import re
 
-    generate = importlib.import_module("jstd.generate")
+    generate = importlib.import_module("jstd.generate.loop")  # the module whose _jit_generate generate calls
     _, _, model, _, _ = zoo(name)
     tokens, mask = left_padded(model, seed=6)
     compiled = {}

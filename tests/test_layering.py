@@ -160,6 +160,27 @@ def private(edges: list[Import]) -> list[Import]:
     return [e for e in edges if e.name and e.name.startswith("_") and not e.name.startswith("__")]
 
 
+def private_reach(mods: dict[str, Path], package: str) -> list[str]:
+    """``alias._name`` where ``alias`` is a package module imported by name (``from jstd.kernels import
+    gated_delta as _gd`` then ``_gd._prepare``): a private name reached across files without importing it."""
+    out = []
+    for module, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == package:
+                aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
+                                if f"{node.module}.{a.name}" in mods})
+            elif isinstance(node, ast.Import):
+                aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in mods})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and aliases[node.value.id] != module):
+                out.append(f"{module}:{node.lineno} -> {aliases[node.value.id]}.{node.attr}")
+    return out
+
+
 def top_level_imports(path: Path) -> set[str]:
     """The top-level packages a module imports at module level (what importing it pulls in)."""
     tree = ast.parse(path.read_text())
@@ -197,6 +218,7 @@ def test_no_import_cycle(graph):
 
 def test_no_private_name_imported_across_files(graph):
     assert private(graph[1]) == []
+    assert private_reach(graph[0], "jstd") == []
 
 
 def test_layers_import_downward(graph):
@@ -220,10 +242,12 @@ def test_the_checks_find_what_is_planted(tmp_path):
         (root / f).write_text("")
     (root / "core" / "a.py").write_text("from jstd.core.b import thing\nfrom jstd.core.b import _hidden\n")
     (root / "core" / "b.py").write_text("import numpy\nfrom . import a\n_hidden = thing = 1\n")
-    (root / "kernels" / "k.py").write_text("from jstd.core.b import thing\n\ndef f():\n    from jstd.core import a\n")
+    (root / "kernels" / "k.py").write_text("from jstd.core.b import thing\nfrom jstd.core import b as _b\n\n"
+                                           "def f():\n    from jstd.core import a\n    return _b._hidden\n")
     mods = modules(root)
     edges = imports(mods, "jstd")
     assert cycles(edges) == [["jstd.core.a", "jstd.core.b"]]
     assert [e.name for e in private(edges)] == ["_hidden"]
+    assert private_reach(mods, "jstd") == ["jstd.kernels.k:6 -> jstd.core.b._hidden"]
     assert any("jstd.kernels.k" in line and "jstd.core" in line for line in upward(edges))
     assert [e.target for e in undeferred(edges, mods, "jstd")] == ["jstd.core.a"]

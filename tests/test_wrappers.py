@@ -45,7 +45,7 @@ def test_what_the_projector_reads(zoo, name):
     whole under "full"); VipLlava: its blocks in the config's order, concatenated; DeepSeek-VL: the normed
     tower_output, which is SigLIP's post-norm of the last block's output."""
     case = zoo(name)
-    model, hf = case.model, jstd.io.load.hf_config(case.folder)
+    model, hf = case.model, jstd.io.hf.hf_config(case.folder)
     out, _ = zoo.every_value(name)
     fed = np.asarray(out["projector.input"])
     blocks = np.asarray(out["vision.layers.layer_output"])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from jstd.io.convert import convert, export
+from jstd.io.export import export
+from jstd.io.stacked import convert
 from jstd.io.hub import resolve
 from jstd.io.load import load
 

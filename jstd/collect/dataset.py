@@ -11,7 +11,7 @@ and ``json``):
   its document's tokens, 0 = the first, special tokens included) and ``token``
   (int32, the token id there).
 - ``index.json``: ``sites`` (per site: ``layout``, the row's axis names from
-  ``jstd/sites.py`` with ``tokens`` first and ``layers`` for the block axis;
+  ``jstd/core/sites.py`` with ``tokens`` first and ``layers`` for the block axis;
   ``shape``, a row's shape; ``blocks``, the block indices along ``layers``;
   ``dtype``), ``model`` (family, config, path where known), ``settings`` (what
   the collection was made with), ``shards`` (file names with their row counts
@@ -23,10 +23,8 @@ lists a shard only once it is renamed, so a reader never sees a partial one.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import struct
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
 
@@ -35,13 +33,14 @@ import ml_dtypes
 import numpy as np
 from jaxtyping import Shaped
 
-from jstd.io.safetensors import DTYPES
+from jstd.io.safetensors import DTYPE_NAMES as SAFETENSORS_DTYPE  # noqa: F401 (re-exported: the writer names dtypes)
+from jstd.io.safetensors import DTYPES, SafetensorsFiles, write_tensors
+from jstd.io.staging import atomic
 
 INDEX = "index.json"
 FORMAT = "jstd.activations"
 VERSION = 1
 ROW_MAP = {"document": np.int64, "position": np.int32, "token": np.int32}
-SAFETENSORS_DTYPE = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
 def shard_name(i: int) -> str:
@@ -50,28 +49,11 @@ def shard_name(i: int) -> str:
 
 def write_shard(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
     """Write ``tensors`` as one safetensors file at ``path``, atomically: to ``path.tmp``, flushed and fsynced,
-    then renamed. Raises the OSError of a failed write (a full disk: ENOSPC) with the temporary file removed."""
-    header, offset = {}, 0
-    for name, a in tensors.items():
-        if a.dtype not in SAFETENSORS_DTYPE:
-            raise TypeError(f"{name}: dtype {a.dtype} has no safetensors name")
-        header[name] = {"dtype": SAFETENSORS_DTYPE[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-    if metadata:
-        header["__metadata__"] = metadata
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the safetensors writer pads it
+    then renamed (``jstd.io.staging.atomic``, ``jstd.io.safetensors.write_tensors``). Raises TypeError for a
+    dtype safetensors has no name for, and the OSError of a failed write (a full disk: ENOSPC), with the temporary
+    file removed."""
     with atomic(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for a in tensors.values():
-            write_array(f, a)
-
-
-def write_array(f, a: np.ndarray) -> None:
-    """``a``'s bytes (C order) to the open file ``f`` without copying a contiguous array."""
-    f.write(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+        write_tensors(f, tensors, metadata)
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -80,41 +62,11 @@ def write_json(path: Path, data: dict) -> None:
         json.dump(data, f, indent=1)
 
 
-@contextlib.contextmanager
-def atomic(path: Path, mode: str):
-    """An open file that becomes ``path`` only when the block completes: written under ``path``'s name plus
-    ``.tmp``, fsynced and renamed over ``path``; on any error the temporary file is removed and nothing changes."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def memmap_shard(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of the safetensors file ``path`` as a read-only memory map (nothing is read until used)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    size = path.stat().st_size
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = entry["data_offsets"]
-        if 8 + n + end > size:
-            raise ValueError(f"{path} is truncated: {name} ends at byte {8 + n + end} of {size}")
-        dtype, shape = np.dtype(DTYPES[entry["dtype"]]), tuple(entry["shape"])
-        if end == start:
-            out[name] = np.zeros(shape, dtype)
-        else:
-            out[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + n + start, shape=shape)
-    return out
+    """Every tensor of the safetensors file ``path`` as a read-only memory map (nothing is read until used), in
+    the file's order. Raises CheckpointError (a ValueError) naming the file for a truncated or corrupted one."""
+    files = SafetensorsFiles(path)
+    return {name: files.mapped(name, lazy=True) for name in files.entries}
 
 
 def read_index(folder: Path) -> dict | None:

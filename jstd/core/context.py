@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from jstd.kernels.attention import positions_and_mask
+from jstd.core.checks import checked
 from jstd.core.sites import SiteError
+from jstd.kernels.attention import positions_and_mask
 
 
 KEYS, VALUES = "layers.self_attn.attention_keys", "layers.self_attn.attention_values"
@@ -184,8 +185,10 @@ def begin(tokens: Int[Array, "batch seq"], attention_mask, context: Context | No
     return context.rotary_positions(), context.attention_mask(cached), h
 
 
-def check_context(model, context: Context, shape: tuple[int, int], attention_mask, reads) -> None:
-    """Raise ValueError where ``context`` does not fit ``model`` and tokens of ``shape`` (static checks)."""
+def check_context(model, context: Context, shape: tuple[int, int], attention_mask, reads) -> Context:
+    """``context`` checked to fit ``model`` and tokens of ``shape``: ValueError (or SiteError, TypeError) at once
+    for what the shapes show; a traced ``block`` outside ``[0, num_layers]`` fails the compiled call. Returns the
+    context to run with (its block carrying the check when traced)."""
     if not isinstance(context, Context):
         raise TypeError(f"context must be a jstd.Context, got {type(context).__name__}")
     if attention_mask is not None:
@@ -229,6 +232,11 @@ def check_context(model, context: Context, shape: tuple[int, int], attention_mas
             raise SiteError("token_embeddings is not computed on a run that starts from context.stream")
     elif context.block is not None:
         raise ValueError("context.block needs context.stream: the layer_input of that block at the tokens")
-    if context.block is not None and not isinstance(context.block, jax.core.Tracer):
-        if np.ndim(context.block) != 0 or not 0 <= int(context.block) <= c.num_layers:
-            raise ValueError(f"context.block must be one block index in [0, {c.num_layers}], got {context.block!r}")
+    if context.block is None:
+        return context
+    message = f"context.block must be one block index in [0, {c.num_layers}]"
+    if np.ndim(context.block) != 0:
+        raise ValueError(f"{message}, got {context.block!r}")
+    block = checked(context.block, lambda xp, b: (b < 0) | (b > c.num_layers), message,
+                    concrete=lambda b, _: f"{message}, got {context.block!r}")
+    return context if block is context.block else eqx.tree_at(lambda x: x.block, context, block)

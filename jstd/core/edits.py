@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Int
 
+from jstd.core.checks import check_kind, checked, shown, span
 from jstd.core.sites import SITES, SiteError, parse
 
 # what ``positions=`` selects: text positions, patches, and the image-token rows a wrapper's projector returns
@@ -51,33 +52,6 @@ def site_axes(site: str) -> tuple[int | None, int | None]:
     return pos, head
 
 
-def _span(size: int) -> str:
-    return f"-{size}..{size - 1} (negatives count from the end)"
-
-
-def _shown(bad: np.ndarray) -> str:
-    """The first few bad values of an index, for a message."""
-    values = [int(v) for v in bad.reshape(-1)[:5]]
-    return str(values[0]) if len(values) == 1 else str(values)
-
-
-def _check_kind(index, what: str, size: int | None, masks: bool = True) -> None:
-    """SiteError unless ``index`` has an integer dtype (or, with ``masks``, is a bool mask of shape ``(size,)``;
-    ``size`` None: not known yet, the shape is checked at the site)."""
-    traced = isinstance(index, jax.core.Tracer)
-    dtype, shape = (index.dtype if traced else np.asarray(index).dtype), np.shape(index)
-    span = f" in {_span(size)}" if size is not None else ""
-    if dtype == bool and masks:
-        if size is not None and shape != (size,):
-            raise SiteError(f"{what}: a boolean mask must have the axis' shape ({size},), got shape {shape}; "
-                            f"pass a mask of {size} entries or integer indices{span}")
-        return
-    if not jnp.issubdtype(dtype, jnp.integer) or dtype == bool:
-        kind = "integer indices or a boolean mask" if masks else "an integer"
-        got = "a traced value" if traced else repr(index)
-        raise SiteError(f"{what} must be {kind}, got {got} of dtype {dtype}; pass integers{span}")
-
-
 def check_index(index, size: int, what: str, axis: str) -> Array:
     """``index`` (an int, an int array — traced allowed — or a bool mask ``[size]``) checked against an axis of ``size``.
 
@@ -87,59 +61,13 @@ def check_index(index, size: int, what: str, axis: str) -> Array:
     runtime error when the compiled call runs (under ``jit`` and ``vmap``).
     Returns the index as an array (the error check attached when traced).
     """
-    _check_kind(index, what, size)
+    check_kind(index, what, size)
     index = jnp.asarray(index)
     if index.dtype == bool:
         return index
-    fix = f"is out of range for the {axis} axis of size {size}; pass indices in {_span(size)}"
-    if isinstance(index, jax.core.Tracer):
-        return eqx.error_if(index, ((index < -size) | (index >= size)).any(), f"{what} {fix}")
-    concrete = np.asarray(index)
-    bad = concrete[(concrete < -size) | (concrete >= size)]
-    if bad.size:
-        raise SiteError(f"{what}={_shown(bad)} {fix}")
-    return index
-
-
-def check_layer(model, site: str, layer, who: str) -> Int[Array, ""] | int:
-    """``layer`` (an int or a traced int) checked as a block of ``model`` computing block site ``site``.
-
-    Valid: ``-L..L-1`` for the site's stack of ``L`` blocks (negatives count
-    from the end, as ``"layers.-1.X"``), naming a block that has the site's
-    host (``model.blocks_for(site)``; all blocks but on hybrids). A concrete
-    bad layer raises SiteError now; a traced one an equinox runtime error when
-    the compiled call runs (under ``jit`` and ``vmap``). Returns the layer
-    (the error check attached when traced).
-    """
-    spec = SITES[site]
-    L = model.depth(spec.stack)
-    blocks = tuple(model.blocks_for(site))
-    _check_kind(layer, f"{who}: layer", L, masks=False)
-    if np.ndim(layer) != 0:
-        raise SiteError(f"{who}: layer must be one block index (a scalar), got shape {np.shape(layer)}; "
-                        f"vmap over an array of layers for a sweep")
-    some = blocks != tuple(range(L))
-    host = spec.host[len(spec.stack) + 1:]
-    fix = (f"pass a block with {host}: {block_ranges(blocks)} (negatives count from the end: -{L}..-1)" if some
-           else f"pass a block index in {_span(L)}")
-    if isinstance(layer, jax.core.Tracer):
-        bad = (layer < -L) | (layer >= L)
-        if some:
-            bad = bad | ~jnp.isin(jnp.where(layer < 0, layer + L, layer), jnp.asarray(blocks))
-        return eqx.error_if(layer, bad, f"{who}: layer is out of range"
-                                        + (f" or names a block without {host}" if some else "")
-                                        + f" ({spec.stack} has {L} blocks); {fix}")
-    index = int(layer)
-    if not -L <= index < L:
-        raise SiteError(f"{who}: layer={index}: block {index} does not exist ({spec.stack} has {L} blocks); {fix}")
-    if index % L not in blocks:
-        raise SiteError(f"{who}: layer={index} is block {index % L}, which has no {host}; {fix}")
-    return layer
-
-
-def block_ranges(blocks) -> str:
-    """Block indices as a message shows them: ``"1..3"`` when consecutive, else the list."""
-    return f"{blocks[0]}..{blocks[-1]}" if blocks and list(blocks) == list(range(blocks[0], blocks[-1] + 1)) else str(list(blocks))
+    fix = f"is out of range for the {axis} axis of size {size}; pass indices in {span(size)}"
+    return checked(index, lambda xp, i: (i < -size) | (i >= size), f"{what} {fix}",
+                   concrete=lambda i, bad: f"{what}={shown(i[bad])} {fix}", error=SiteError)
 
 
 def check_left_padded(attention_mask, reader: str):
@@ -155,14 +83,8 @@ def check_left_padded(attention_mask, reader: str):
         return None
     fix = (f"{reader} reads each row's last position, which is padding on a row padded on the right; "
            "pad on the left (tokenizer.padding_side = 'left'; jstd.load_processor does this for causal LMs)")
-    if isinstance(attention_mask, jax.core.Tracer):
-        return eqx.error_if(attention_mask, ~attention_mask[:, -1].astype(bool).all(), f"a row of attention_mask ends in "
-                                                                                       f"padding: {fix}")
-    mask = np.asarray(attention_mask)
-    rows = np.flatnonzero(~mask[:, -1].astype(bool))
-    if rows.size:
-        raise ValueError(f"attention_mask row {int(rows[0])} ends in padding: {fix}")
-    return attention_mask
+    return checked(attention_mask, lambda xp, m: ~m[:, -1].astype(bool), f"a row of attention_mask ends in padding: {fix}",
+                   concrete=lambda m, rows: f"attention_mask row {int(np.flatnonzero(rows)[0])} ends in padding: {fix}")
 
 
 def selection_mask(site: str, shape: Sequence[int], positions=None, heads=None, who: str | None = None
@@ -219,9 +141,9 @@ class Edit(eqx.Module):
                     f"drop {what}s="
                 )
             if chosen is not None:  # the kind now; the range at the site, where the axis' size is known
-                _check_kind(chosen, f"{type(self).__name__} at {base}: {what}s", None)
+                check_kind(chosen, f"{type(self).__name__} at {base}: {what}s", None)
         if layer is not None:  # the range in jstd.run, where the model's depth is known
-            _check_kind(layer, f"{type(self).__name__} at {base}: layer", None, masks=False)
+            check_kind(layer, f"{type(self).__name__} at {base}: layer", None, masks=False)
         self.site = base
         self.layer = index if index is not None else layer
         self.where = where

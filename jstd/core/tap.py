@@ -1,8 +1,9 @@
 """The mechanism that applies edits and records reads at a site.
 
 A forward passes every standard value through a ``Taps`` (a ``Scope``: one per
-host call, the model or one block inside a stack's scan). Shared modules tap
-*relative* names (``self_attn.attention_queries``); the scope's prefix
+host call, the model or one block inside a stack's scan; a block's is a
+``BlockScope``, one ``Scope`` per group of blocks its sites are stacked over).
+Shared modules tap *relative* names (``self_attn.attention_queries``); the scope's prefix
 (``layers.``, ``vision.layers.``, ``vision.``, or none on the text model) makes
 them whole, so one Attention serves every stack. The set of reads and the
 structure of the edits are static Python data; the edits' arrays and the
@@ -12,7 +13,7 @@ compilation.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -134,3 +135,34 @@ class Scope:
             target = jnp.where(target < 0, target + self.tap.depths[spec.stack], target)
             new = jnp.where(self.layer == target, new, value)
         return new
+
+
+class BlockScope:
+    """The taps of one block inside a stack: one ``tap.scope`` per group of slots a site is stacked over.
+
+    ``group_of(site)`` (a whole name) gives the slots whose blocks compute it;
+    ``stack_index(group)`` the block's (possibly traced) index among the blocks
+    of those slots, which indexes an edit's arrays stacked over them.
+    """
+
+    def __init__(self, tap: Tap, prefix: str, layer, group_of: Callable[[str], frozenset],
+                 stack_index: Callable[[frozenset], object]):
+        self.tap = tap
+        self.prefix = prefix
+        self.layer = layer
+        self._group_of = group_of
+        self._stack_index = stack_index
+        self._scopes: dict[frozenset, Scope] = {}
+
+    def touches(self, *sites: str) -> bool:
+        return self.tap.touches(*(self.prefix + s for s in sites))
+
+    def __call__(self, site: str, value: Array) -> Array:
+        group = self._group_of(self.prefix + site)
+        if group not in self._scopes:
+            self._scopes[group] = self.tap.scope(self.prefix, self.layer, self._stack_index(group))
+        return self._scopes[group](site, value)
+
+    @property
+    def records(self) -> dict[str, Array]:
+        return {k: v for scope in self._scopes.values() for k, v in scope.records.items()}

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jstd.core.edits import Set, Zero, check_layer, site_axes
+from jstd.core.edits import Set, Zero, site_axes
 from jstd.core.inputs import as_inputs
-from jstd.interventions.reading import block_entry, read
+from jstd.interventions.reading import read
 from jstd.core.sites import SITES, SiteError, parse
 
 IMAGE_SITES = ("vision.", "projector.")  # sites whose positions are patches or image tokens, not the prompt's
@@ -76,7 +76,7 @@ def site_mean(
         layer, site = index, base
     spec = SITES[site]
     if spec.per_block and layer is not None:
-        layer = check_layer(model, site, layer, f"site_mean at {site}")
+        layer = model.check_block(site, layer, f"site_mean at {site}")
     inputs = as_inputs(tokens, attention_mask)
     value = read(model, inputs, (site,), edits)[site]
     stacked = spec.per_block
@@ -89,7 +89,7 @@ def site_mean(
             raise SiteError(f"the mean of {site} counts no position: every position is padding or excluded (exclude_first)")
     mean = _weighted_mean(value, w, off, pos_axis, per_position)
     if stacked and layer is not None:
-        return block_entry(model, site, mean, layer)
+        return mean[model.row_of(site, layer)]
     return mean
 
 
@@ -143,11 +143,11 @@ def resample_ablation(
         layer, site = index, base
     stacked = SITES[site].per_block
     if stacked and layer is not None:
-        layer = check_layer(model, site, layer, f"resample_ablation at {site}")
+        layer = model.check_block(site, layer, f"resample_ablation at {site}")
     value = read(model, source, (site,), (), attention_mask)[site]
     if key is not None:
         axis = 1 if stacked else 0
         value = jnp.take(value, jax.random.permutation(key, value.shape[axis]), axis=axis)
     if stacked and layer is not None:
-        value = block_entry(model, site, value, layer)
+        value = value[model.row_of(site, layer)]
     return Set(site, value, layer=layer, positions=positions, heads=heads, where=where)

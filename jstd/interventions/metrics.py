@@ -19,10 +19,10 @@ from typing import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from jstd.core.edits import _shown, check_index, check_left_padded
+from jstd.core.checks import checked, shown
+from jstd.core.edits import check_index, check_left_padded
 
 
 def token_ids(ids, what: str) -> Int[Array, "*batch"]:
@@ -44,13 +44,8 @@ def check_token_ids(ids, vocab_size: int, batch: int, what: str) -> Int[Array, "
     if ids.ndim > 1 or (ids.ndim == 1 and ids.shape[0] != batch):
         raise ValueError(f"{what} must be an int or one id per row ({batch} rows), got shape {tuple(ids.shape)}")
     fix = f"must lie in 0..{vocab_size - 1} (the logits' vocabulary of {vocab_size} ids); pass ids of this model's tokenizer"
-    if isinstance(ids, jax.core.Tracer):
-        return eqx.error_if(ids, ((ids < 0) | (ids >= vocab_size)).any(), f"{what} is out of range: token ids {fix}")
-    concrete = np.asarray(ids)
-    bad = concrete[(concrete < 0) | (concrete >= vocab_size)]
-    if bad.size:
-        raise ValueError(f"{what}={_shown(bad)} is out of range: token ids {fix}")
-    return ids
+    return checked(ids, lambda xp, i: (i < 0) | (i >= vocab_size), f"{what} is out of range: token ids {fix}",
+                   concrete=lambda i, bad: f"{what}={shown(i[bad])} is out of range: token ids {fix}")
 
 
 def _pick(x: Float[Array, "batch vocab"], ids, what: str) -> Float[Array, "batch"]:

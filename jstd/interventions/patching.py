@@ -28,10 +28,11 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.interventions.chunking import balanced, fit
-from jstd.core.edits import Set, check_index, check_layer, selection_mask, site_axes
+from jstd.core.edits import Set, check_index, selection_mask, site_axes
+from jstd.core.progress import Progress, quiet_unless_terminal
 from jstd.core.inputs import Inputs, as_inputs
 from jstd.interventions.metrics import check_metric
-from jstd.interventions.reading import block_entry, read
+from jstd.interventions.reading import read
 from jstd.interventions.resume import resumable, resumed_sweep
 from jstd.run import run
 from jstd.sharding import spread
@@ -68,10 +69,10 @@ def patch(
     if metric is not None:
         corrupt = checked_metric(metric, corrupt, model, who)
     if SITES[site].per_block and layer is not None:
-        layer = check_layer(model, site, layer, who)
+        layer = model.check_block(site, layer, who)
     value = read(model, clean, (site,), ())[site]
     if SITES[site].per_block and layer is not None:
-        value = block_entry(model, site, value, layer)
+        value = value[model.row_of(site, layer)]
     selection_mask(site, value.shape[1:] if SITES[site].per_block and layer is None else value.shape, positions, heads,
                    who)  # positions and heads in range, before the run
     edit = Set(site, value, layer=layer, positions=positions, heads=heads)
@@ -144,8 +145,8 @@ def patch_sweep(
     ``memory_budget`` bytes of working memory by the compiled chunk's own
     figure, ``jstd.interventions.chunking``; the model, the clean and
     corrupted runs' values and the results are outside the budget) run as one
-    compiled ``vmap`` each, under a tqdm progress bar when tqdm is installed
-    and ``progress``. A resumed sweep's chunks are packed rows, each holding
+    compiled ``vmap`` each, on a progress line (to a terminal) with
+    ``progress``. A resumed sweep's chunks are packed rows, each holding
     up to two entries.
 
     ``mesh`` (a ``jax.sharding.Mesh``): each chunk's entries are split over
@@ -158,29 +159,11 @@ def patch_sweep(
     clean, corrupt = pair_inputs(clean, corrupt, attention_mask)
     who = f"patch_sweep at {site}"
     corrupt = checked_metric(metric, corrupt, model, who)
-    spec = SITES[site]
     clean_values = read(model, clean, (site,), ())[site]
-    pos_axis, head_axis = site_axes(site)
-    per_block = spec.per_block
-    off = 1 if per_block else 0
-
-    # every entry checked and counted from the start (negatives count from the end), so the grid is in range
-    axes = []
-    if per_block:
-        L = model.depth(spec.stack)
-        axes.append(list(model.blocks_for(site)) if layers is None else
-                    [int(check_layer(model, site, layer, who)) % L for layer in layers])
-    size = lambda axis: clean_values.shape[off + axis]
-    entries = lambda given, axis, arg: _entries(given, size(axis), f"{who}: {arg}", spec.layout[axis])
-    if pos_axis is not None:
-        axes.append(list(range(size(pos_axis))) if positions is None else entries(positions, pos_axis, "positions"))
-    elif positions is not None:
-        raise SiteError(f"{site} has no position axis; drop positions=")
-    split_heads = head_axis is not None and heads is not False
-    if split_heads:
-        axes.append(list(range(size(head_axis))) if heads in (None, True) else entries(heads, head_axis, "heads"))
-    elif heads not in (None, False):
-        raise SiteError(f"{site} has no head axis; drop heads=")
+    pos_axis, _ = site_axes(site)
+    per_block = SITES[site].per_block
+    axes, split_heads = _grid_axes(model, site, clean_values.shape[1 if per_block else 0:], layers, positions, heads,
+                                   who)
     shape = tuple(len(a) for a in axes)
     mesh = np.meshgrid(*[np.asarray(a, np.int32) for a in axes], indexing="ij")
     columns = iter([m.reshape(-1) for m in mesh])
@@ -212,6 +195,31 @@ def patch_sweep(
             chunk(model, corrupt, clean_values, metric, entries_of(padded, i * size, size), site, what)))
     out = jnp.concatenate(results)[:n]
     return out.reshape(shape + out.shape[1:])
+
+
+def _grid_axes(model, site: str, shape: tuple[int, ...], layers, positions, heads, who: str
+               ) -> tuple[list[list[int]], bool]:
+    """The entries of each axis of ``patch_sweep``'s grid (blocks, positions, heads: those the site has and the
+    call keeps) for a site whose per-block value has ``shape``, each checked and counted from the start (negatives
+    count from the end) so the grid is in range; and whether heads are patched one by one."""
+    spec = SITES[site]
+    pos_axis, head_axis = site_axes(site)
+    axes = []
+    if spec.per_block:
+        L = model.depth(spec.stack)
+        axes.append(list(model.blocks_for(site)) if layers is None else
+                    [int(model.check_block(site, layer, who)) % L for layer in layers])
+    entries = lambda given, axis, arg: _entries(given, shape[axis], f"{who}: {arg}", spec.layout[axis])
+    if pos_axis is not None:
+        axes.append(list(range(shape[pos_axis])) if positions is None else entries(positions, pos_axis, "positions"))
+    elif positions is not None:
+        raise SiteError(f"{site} has no position axis; drop positions=")
+    split_heads = head_axis is not None and heads is not False
+    if split_heads:
+        axes.append(list(range(shape[head_axis])) if heads in (None, True) else entries(heads, head_axis, "heads"))
+    elif heads not in (None, False):
+        raise SiteError(f"{site} has no head axis; drop heads=")
+    return axes, split_heads
 
 
 class Spread:
@@ -259,7 +267,7 @@ def _sweep_chunk(model, corrupt, clean_values, metric, entries: SweepGrid, site:
     per_block, has_positions, has_heads = what
 
     def one(layer, position, head):
-        value = block_entry(model, site, clean_values, layer) if per_block else clean_values
+        value = clean_values[model.row_of(site, layer)] if per_block else clean_values
         edit = Set(site, value, layer=layer if per_block else None, positions=position if has_positions else None,
                      heads=head if has_heads else None)
         return metric(run(model, corrupt, [edit]).logits)
@@ -267,11 +275,7 @@ def _sweep_chunk(model, corrupt, clean_values, metric, entries: SweepGrid, site:
     return jax.vmap(one)(entries.layers, entries.positions, entries.heads)
 
 
-def _progress(iterable, enabled: bool, description: str):
-    if not enabled:
-        return iterable
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, desc=description, unit="chunk", disable=None)
+def _progress(items, enabled: bool, description: str):
+    """``items`` counted on a progress line (to a terminal only)."""
+    items = list(items)
+    return Progress(description, count=len(items), enabled=quiet_unless_terminal(enabled), unit="chunks").over(items)

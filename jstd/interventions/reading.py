@@ -1,16 +1,13 @@
-"""Reading sites (``jstd.run``, compiled and cached), picking one block's entry from a stacked value, and a
-prompt's token strings."""
+"""Reading sites (``jstd.run``, compiled and cached) and a prompt's token strings."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
 from jstd.run import Outputs, run
-from jstd.core.sites import SITES, SiteError, parse
 
 
 def read(model, tokens, sites: Sequence[str], edits=(), attention_mask=None) -> Outputs:
@@ -38,23 +35,3 @@ def token_strings(tokenizer, text: str | Sequence[int] | Int[Array, "seq"], *,
         raise ValueError(f"token_strings takes one text or one row of token ids, got shape {ids.shape}; "
                         "pass a single row (tokens[0])")
     return [tokenizer.decode([int(i)]) for i in ids]
-
-
-def block_entry(model, site: str, stacked: Array, layer) -> Array:
-    """The entry of a stacked ``"layers.X"`` value for block ``layer`` (an int or a traced int).
-
-    On families where every block has the site's host (Llama) this is
-    ``stacked[layer]``; on hybrids the stack holds only the blocks with the
-    host and the entry is found by block index.
-    """
-    blocks = model.blocks_for(parse(site)[0])
-    L = model.depth(SITES[parse(site)[0]].stack)
-    if isinstance(layer, (int, np.integer)):
-        layer = int(layer) % L
-        if layer not in blocks:
-            raise SiteError(f"block {layer} has no {SITES[parse(site)[0]].host}; blocks with it: {list(blocks)}")
-        return stacked[blocks.index(layer)]
-    layer = jnp.where(layer < 0, layer + L, layer)
-    if blocks == tuple(range(L)):
-        return stacked[layer]
-    return stacked[jnp.searchsorted(jnp.asarray(blocks), layer)]

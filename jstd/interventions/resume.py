@@ -28,7 +28,7 @@ from jstd.core.context import Context
 from jstd.interventions.chunking import fit
 from jstd.core.edits import Set, site_axes
 from jstd.interventions.metrics import PositionMetric
-from jstd.interventions.reading import block_entry, read
+from jstd.interventions.reading import read
 from jstd.run import run
 from jstd.core.sites import SITES
 
@@ -149,7 +149,7 @@ def _chunk(model, corrupt, attention_mask, corrupt_out, clean_values, metric, ro
     """The metric of every segment of a chunk of rows at block ``layer``: ``[rows, slots, *metric]``."""
     seq = corrupt.shape[1]
     corrupt_stream = corrupt_out[_stream_site(site)]
-    clean_value = block_entry(model, site, clean_values, layer)
+    clean_value = clean_values[model.row_of(site, layer)]
     normed_before = corrupt_out["final_norm_output"]
 
     def one(positions, first, heads, starts, entries, offsets):

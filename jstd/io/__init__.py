@@ -1,1 +1,2 @@
-"""Loading: hub/local resolution, safetensors streaming, name maps."""
+"""Checkpoints in and out: hub/local resolution, safetensors reading and writing, name maps, loading, the converted
+(stacked) layout and exporting back to HuggingFace."""

@@ -6,10 +6,11 @@ import numpy as np
 import jax
 
 from jstd.io.buffers import Scratch, aligned_buffer, fill, fill_entry
-from jstd.io.convert import hf_source, is_converted, load_converted, with_source
 from jstd.io.hf import plan, with_generation_ids
 from jstd.io.hub import resolve
 from jstd.io.safetensors import SafetensorsFiles
+from jstd.io.source import hf_source, with_source
+from jstd.io.stacked import is_converted, load_converted
 from jstd.models.namemap import at_path, replace_at
 from jstd.sharding import placer
 

@@ -14,9 +14,10 @@ Two forms compute it:
   ``lax.scan`` (the decoding form, and the reference for the others).
 * :func:`chunk_gated_delta_rule` runs it by chunks of ``C`` tokens (the WY / UT
   representation; ``C = 32`` by default): everything inside a chunk is a handful of
-  matrix products and a CxC unit-triangular inverse, and only the ``[key_dim, value_dim]`` state is carried
-  from chunk to chunk by a ``lax.scan``. Its memory grows linearly in the sequence
-  length (only the inputs and outputs do; the working set is one chunk).
+  matrix products and a CxC unit-triangular inverse (:mod:`jstd.kernels.triangular`), and
+  only the ``[key_dim, value_dim]`` state is carried from chunk to chunk by a ``lax.scan``.
+  Its memory grows linearly in the sequence length (only the inputs and outputs do; the
+  working set is one chunk).
 
 A Pallas version of the chunked form lives in :mod:`jstd.kernels.pallas.gated_delta`;
 :mod:`jstd.kernels.select` picks among the three by backend (what the DeltaNet mixer calls).
@@ -47,16 +48,15 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
+from jstd.kernels.triangular import precise_einsum, unit_lower_inverse
+
 __all__ = [
     "chunk_gated_delta_rule",
     "l2norm",
     "recurrent_gated_delta_rule",
-    "unit_lower_inverse",
+    "unit_lower_inverse",  # jstd.kernels.triangular's, used by the chunked form (and cited here by benchmarks)
 ]
 
-# float32 matrix products at full float32 precision (TPU/GPU would otherwise use
-# bf16/tf32 passes for float32 dots; on the CPU this is free).
-_PRECISION = lax.Precision.HIGHEST
 L2NORM_EPS = 1e-6
 
 
@@ -65,11 +65,7 @@ def l2norm(x: Float[Array, "... d"], eps: float = L2NORM_EPS) -> Float[Array, ".
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _mm(spec: str, a: Array, b: Array) -> Array:
-    return jnp.einsum(spec, a, b, precision=_PRECISION)
-
-
-class _Prepared(NamedTuple):
+class Prepared(NamedTuple):
     q: Array  # [B, T, H, Dk] float32, (normalised,) scaled
     k: Array  # [B, T, H, Dk] float32, (normalised)
     v: Array  # [B, T, H, Dv] float32
@@ -115,11 +111,11 @@ def _prep_qkv(q, k, v, g, beta, *, n_rep, use_qk_l2norm, dtype):
     return q * (q.shape[-1] ** -0.5), k, v, g, beta
 
 
-def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm) -> _Prepared:
+def prepare(q, k, v, g, beta, initial_state, use_qk_l2norm) -> Prepared:
     """Checks shapes, expands grouped q/k heads, upcasts to float32, normalises and scales q/k."""
     B, T, Hk, Hv, Dk, Dv, dtype = _check(q, k, v, g, beta, initial_state)
     q, k, v, g, beta = _prep_qkv(q, k, v, g, beta, n_rep=Hv // Hk, use_qk_l2norm=use_qk_l2norm, dtype=dtype)
-    return _Prepared(q, k, v, g, beta, _initial_state(initial_state, (B, Hv, Dk, Dv), dtype))
+    return Prepared(q, k, v, g, beta, _initial_state(initial_state, (B, Hv, Dk, Dv), dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,7 +158,7 @@ def recurrent_gated_delta_rule(
     which is algebraically the reference's ``o = (S_new)^T q``.
     """
     out_dtype = q.dtype
-    p = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
+    p = prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
     # time-major for the scan
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (p.q, p.k, p.v, p.g, p.beta))
 
@@ -170,7 +166,7 @@ def recurrent_gated_delta_rule(
         qt, kt, vt, gt, bt = x  # [B, H, D*] / [B, H]
         decay = jnp.exp(gt)[..., None]  # [B, H, 1]
         # one pass over the old state for both reads: S^T [k, q]
-        reads = _mm("bhkv,bhnk->bhnv", S, jnp.stack([kt, qt], axis=2)) * decay[..., None]
+        reads = precise_einsum("bhkv,bhnk->bhnv", S, jnp.stack([kt, qt], axis=2)) * decay[..., None]
         delta = bt[..., None] * (vt - reads[:, :, 0])  # [B, H, Dv]
         # o = (e^g S + k delta^T)^T q = e^g S^T q + delta (k . q)
         o = reads[:, :, 1] + delta * jnp.sum(kt * qt, axis=-1, keepdims=True)
@@ -189,64 +185,20 @@ def recurrent_gated_delta_rule(
 # ----------------------------------------------------------------------------------------------
 
 
-def unit_lower_inverse(a: Float[Array, "... n n"]) -> Float[Array, "... n n"]:
-    """``(I + tril(a, -1))^{-1}`` by recursive 2x2 block inversion (``n`` a power of two).
-
-    Only the strictly lower triangle of ``a`` is read. With ``M = [[M11, 0], [M21, M22]]``,
-    ``M^{-1} = [[X, 0], [-Y M21 X, Y]]`` with ``X = M11^{-1}, Y = M22^{-1}``; the diagonal
-    blocks are inverted first (all of one size at once, as batched products), then merged
-    pairwise: ``log2(n)`` levels of small matrix products, no powers of the matrix (which
-    overflow / cancel) and no sequential row-by-row substitution. This is the standard
-    recursive triangular inversion, whose error bound matches forward substitution's.
-    """
-    n = a.shape[-1]
-    if n & (n - 1):
-        raise ValueError(f"unit_lower_inverse needs a power-of-two size, got {n}")
-    batch = a.shape[:-2]
-    # diagonal blocks of `a` at every level, from the whole matrix down to size-2 blocks:
-    # diag[s] has shape [..., n // (2s), 2s, 2s] (the diagonal 2s-blocks)
-    diag = {}
-    cur = a[..., None, :, :]  # [..., 1, n, n]
-    s = n // 2
-    while s >= 1:
-        diag[s] = cur
-        top = cur[..., :s, :s]
-        bot = cur[..., s:, s:]
-        cur = jnp.stack([top, bot], axis=-3).reshape(*batch, -1, s, s)
-        s //= 2
-    inv = jnp.ones((*batch, n, 1, 1), a.dtype)  # inverses of the 1x1 diagonal blocks
-    s = 1
-    while s < n:
-        m21 = diag[s][..., s:, :s]  # [..., n // 2s, s, s]
-        pair = inv.reshape(*batch, -1, 2, s, s)
-        x, y = pair[..., 0, :, :], pair[..., 1, :, :]
-        if s == 1:
-            z = -m21  # x = y = 1
-        elif s < 16:  # tiny blocks: an elementwise multiply-reduce, not tiny matrix products
-            ym = jnp.sum(y[..., :, :, None] * m21[..., None, :, :], axis=-2)
-            z = -jnp.sum(ym[..., :, :, None] * x[..., None, :, :], axis=-2)
-        else:
-            z = -_mm("...ij,...jk->...ik", _mm("...ij,...jk->...ik", y, m21), x)
-        zeros = jnp.zeros_like(x)
-        inv = jnp.concatenate(
-            [jnp.concatenate([x, zeros], axis=-1), jnp.concatenate([z, y], axis=-1)], axis=-2
-        )
-        s *= 2
-    return inv[..., 0, :, :]
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _chunk_size_for(T: int, chunk_size: int) -> int:
+def chunk_size_for(T: int, chunk_size: int) -> int:
+    """The chunk length for ``T`` tokens: ``chunk_size`` (a power of two), or the smallest power of two covering a
+    shorter sequence."""
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     # short sequences use a smaller chunk (any chunk size gives the same result)
     return min(chunk_size, _next_pow2(max(T, 1)))
 
 
-def _to_chunks(x: Array, C: int) -> Array:
+def to_chunks(x: Array, C: int) -> Array:
     """[B, Tp, H, ...] -> [N, B, H, C, ...] (chunk-major, heads before positions)."""
     B, Tp, H = x.shape[:3]
     x = x.reshape(B, Tp // C, C, H, *x.shape[3:])
@@ -272,7 +224,8 @@ def _chunk_major_to_batch(x: Array, B: int) -> Array:
     return jnp.moveaxis(x, 0, 1).reshape(B, -1, *x.shape[3:])
 
 
-def _pad_time(x: Array, pad: int) -> Array:
+def pad_time(x: Array, pad: int) -> Array:
+    """``x`` ``[B, T, ...]`` with ``pad`` zero positions appended on the time axis."""
     if pad == 0:
         return x
     widths = [(0, 0)] * x.ndim
@@ -289,7 +242,7 @@ def _pairwise_decay(gamma: Array, mask: Array) -> Array:
     backend does not vectorise an exp fused with an outer broadcast (10x slower).
     """
     one = jnp.ones_like(gamma)
-    diff = _mm("...ik,...jk->...ij", jnp.stack([gamma, one], -1), jnp.stack([one, -gamma], -1))
+    diff = precise_einsum("...ik,...jk->...ij", jnp.stack([gamma, one], -1), jnp.stack([one, -gamma], -1))
     return jnp.exp(jnp.where(mask, diff, -jnp.inf))
 
 
@@ -321,25 +274,25 @@ def _chunk_body(S, z, v, g, beta, sk, sq):
     i = jnp.arange(C)
     dec = _pairwise_decay(gamma, i[:, None] >= i[None, :])  # causal, incl. diagonal
     col = sk[..., None, :]  # k_j's factor, for the columns of k k^T and q k^T
-    zk = _mm("bhik,bhjk->bhij", z, z[..., :C, :])  # raw k k^T and q k^T in one product
+    zk = precise_einsum("bhik,bhjk->bhij", z, z[..., :C, :])  # raw k k^T and q k^T in one product
     # strictly lower UT system A = beta k k^T * decay, and P = q k^T * decay
     a = jnp.where(i[:, None] > i[None, :], zk[..., :C, :] * ((beta * sk)[..., :, None] * col) * dec, 0.0)
     p = zk[..., C:, :] * (sq[..., :, None] * col) * dec
     t = unit_lower_inverse(a)  # T = (I + A)^{-1}
     e = jnp.exp(gamma)
-    r = _mm("bhik,bhkv->bhiv", z, S)  # raw k S and q S in one product with the state
+    r = precise_einsum("bhik,bhkv->bhiv", z, S)  # raw k S and q S in one product with the state
     # the delta-rule corrections (= the recurrence's deltas): T (beta v - beta e^gamma k S)
-    delta = _mm("bhij,bhjv->bhiv", t, (v - r[..., :C, :] * (e * sk)[..., None]) * beta[..., None])
-    o = r[..., C:, :] * (e * sq)[..., None] + _mm("bhij,bhjv->bhiv", p, delta)
+    delta = precise_einsum("bhij,bhjv->bhiv", t, (v - r[..., :C, :] * (e * sk)[..., None]) * beta[..., None])
+    o = r[..., C:, :] * (e * sq)[..., None] + precise_einsum("bhij,bhjv->bhiv", p, delta)
     glast = gamma[..., -1:]
     # keys decayed to the chunk end, formed transposed ([Dk, C]): the state update is then
     # a plain (non-transposed) batched product, which XLA's CPU backend runs faster
     kd_t = jnp.swapaxes(z[..., :C, :] * (jnp.exp(glast - gamma) * sk)[..., None], -1, -2)
-    S_new = S * jnp.exp(glast)[..., None] + _mm("bhkc,bhcv->bhkv", kd_t, delta)
+    S_new = S * jnp.exp(glast)[..., None] + precise_einsum("bhkc,bhcv->bhkv", kd_t, delta)
     return S_new, o, delta
 
 
-def _in_chunk_states(starts, deltas, k, g):
+def in_chunk_states(starts, deltas, k, g):
     """States after every token from the chunk-start states and the deltas.
 
     starts [N, B, H, Dk, Dv]; deltas [N, B, H, C, Dv]; k [N, B, H, C, Dk]; g [N, B, H, C].
@@ -401,13 +354,13 @@ def chunk_gated_delta_rule(
     out_dtype = q.dtype
     B, T, Hk, H, Dk, Dv, dtype = _check(q, k, v, g, beta, initial_state)
     state = _initial_state(initial_state, (B, H, Dk, Dv), dtype)
-    C = _chunk_size_for(T, chunk_size)
+    C = chunk_size_for(T, chunk_size)
     pad = (-T) % C
     # the l2norm / scale factors of every q and k row, [B, T, Hk]: one pass over q and k
     sq = _qk_scales(q, Dk**-0.5, use_qk_l2norm=use_qk_l2norm, dtype=dtype)
     sk = _qk_scales(k, 1.0, use_qk_l2norm=use_qk_l2norm, dtype=dtype)
     # chunk-major views of the raw inputs: [N, B, C, H, ...] (free for B == 1)
-    xs = tuple(_batch_to_chunk_major(_pad_time(x, pad), C) for x in (q, k, v, g, beta, sk, sq))
+    xs = tuple(_batch_to_chunk_major(pad_time(x, pad), C) for x in (q, k, v, g, beta, sk, sq))
     heads_major = lambda x: jnp.swapaxes(x.astype(dtype), 1, 2)  # [B, C, H, ...] -> [B, H, C, ...]
     expand = lambda x: jnp.repeat(x, H // Hk, axis=1) if H > Hk else x  # grouped q/k heads
 
@@ -429,5 +382,5 @@ def chunk_gated_delta_rule(
     out = _chunk_major_to_batch(o, B)[:, :T]
     if return_states:
         _, starts, deltas, kc, gc = ys
-        return out, final, _in_chunk_states(starts, deltas, kc, gc)[:, :T]
+        return out, final, in_chunk_states(starts, deltas, kc, gc)[:, :T]
     return out, final

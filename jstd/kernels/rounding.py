@@ -26,3 +26,12 @@ def rounded(x: Float[Array, "..."]) -> Float[Array, "..."]:
 def _rounded_jvp(primals, tangents):
     # the identity: gradients pass unchanged (nextafter has no differentiation rule)
     return rounded(primals[0]), tangents[0]
+
+
+def times(x: Float[Array, "..."], multiplier: float) -> Float[Array, "..."]:
+    """``x * multiplier`` as torch computes a tensor times a Python float: in float32, cast back.
+
+    (In bfloat16 torch keeps the scalar at float32 precision; rounding it to
+    bfloat16 first, as ``x * multiplier`` would in JAX, differs for 0.3.)
+    """
+    return (x.astype(jnp.float32) * jnp.float32(multiplier)).astype(x.dtype)

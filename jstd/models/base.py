@@ -7,11 +7,14 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
+from jstd.core.checks import block_ranges, check_kind, checked, is_traced, span
 from jstd.core.config import ModelConfig
-from jstd.core.sites import SITES
+from jstd.core.sites import SITES, SiteError
 
 DATA, MODEL = "data", "model"  # the mesh axes of jstd.sharding's rules: rows of the batch, tensor parallelism
 
@@ -72,7 +75,7 @@ class Model(eqx.Module):
 
     config: ModelConfig = eqx.field(static=True)
     family: str = eqx.field(static=True)
-    # the HuggingFace layout the model was loaded from (``jstd.io.convert.Source``: config.json and the stored
+    # the HuggingFace layout the model was loaded from (``jstd.io.source.Source``: config.json and the stored
     # tensors' names and shapes), for ``jstd.export``; metadata that compares equal to any other (and to None), so
     # it never splits a tree structure; None on a model built without a checkpoint
     source: object = eqx.field(static=True, default=None, kw_only=True)
@@ -89,6 +92,12 @@ class Model(eqx.Module):
         """Every site the model serves."""
         return self.model_sites.union(*(stack.sites() for stack in self.stacks.values()))
 
+    @property
+    def decoder(self) -> "Model | None":
+        """The text model that decodes tokens (``jstd.generate`` steps it over the cache after the prefill): a
+        ``CausalLM``, the model itself or a wrapper's text model; None where there is none (a vision tower alone)."""
+        return None
+
     def forward(self, inputs, tap, context=None):
         """``(logits or None, reads)``: the recorded sites by whole name (block sites stacked as ``Stack`` says)."""
         raise NotImplementedError
@@ -104,6 +113,57 @@ class Model(eqx.Module):
         """The blocks that compute the block site ``site`` (whole name, no index), in order."""
         stack = self.stacks.get(SITES[site].stack)
         return () if stack is None else stack.blocks_for(site)
+
+    def check_block(self, site: str, layer, who: str) -> Int[Array, ""] | int:
+        """``layer`` (an int or a traced int) checked as a block computing the block site ``site``.
+
+        Valid: ``-L..L-1`` for the site's stack of ``L`` blocks (negatives count
+        from the end, as ``"layers.-1.X"``), naming a block that has the site's
+        host (``blocks_for(site)``; all blocks but on hybrids). A concrete bad
+        layer raises SiteError now (``who`` names the caller); a traced one an
+        equinox runtime error when the compiled call runs (under ``jit`` and
+        ``vmap``). Returns the layer (the check attached when traced).
+        """
+        spec = SITES[site]
+        L = self.depth(spec.stack)
+        blocks = tuple(self.blocks_for(site))
+        check_kind(layer, f"{who}: layer", L, masks=False)
+        if np.ndim(layer) != 0:
+            raise SiteError(f"{who}: layer must be one block index (a scalar), got shape {np.shape(layer)}; "
+                            f"vmap over an array of layers for a sweep")
+        some = blocks != tuple(range(L))
+        host = spec.host[len(spec.stack) + 1:]
+        fix = (f"pass a block with {host}: {block_ranges(blocks)} (negatives count from the end: -{L}..-1)" if some
+               else f"pass a block index in {span(L)}")
+
+        def concrete(index, _):
+            index = int(index)
+            if not -L <= index < L:
+                return f"{who}: layer={index}: block {index} does not exist ({spec.stack} has {L} blocks); {fix}"
+            return f"{who}: layer={index} is block {index % L}, which has no {host}; {fix}"
+
+        return checked(layer, lambda xp, i: (i < -L) | (i >= L) | ~xp.isin(xp.where(i < 0, i + L, i), xp.asarray(blocks)),
+                       f"{who}: layer is out of range" + (f" or names a block without {host}" if some else "")
+                       + f" ({spec.stack} has {L} blocks); {fix}", concrete=concrete, error=SiteError)
+
+    def row_of(self, site: str, layer, who: str | None = None) -> Int[Array, ""] | int:
+        """The row of block ``layer`` (an int or a traced int; negatives count from the end) in the value of
+        ``"layers.X"`` for the block site ``site``, which is stacked over ``blocks_for(site)`` only: ``layer``
+        itself where every block has the site's host, its place among the blocks that have it on hybrids.
+
+        A concrete block that does not exist or lacks the host raises SiteError (``who`` prefixes the message); a
+        traced one is not checked here (``check_block`` checks it).
+        """
+        blocks = self.blocks_for(site)
+        L = self.depth(SITES[site].stack)
+        if not is_traced(layer):
+            index = int(layer)
+            if not -L <= index < L or index % L not in blocks:
+                raise SiteError(f"{who + ': ' if who else ''}block {index} does not exist or has no "
+                                f"{SITES[site].host}; blocks with it: {block_ranges(blocks)}")
+            return blocks.index(index % L)
+        layer = jnp.where(layer < 0, layer + L, layer)
+        return layer if blocks == tuple(range(L)) else jnp.searchsorted(jnp.asarray(blocks), layer)
 
     def layers_with(self, host: str, stack: str = "layers") -> tuple[int, ...]:
         """The indices of ``stack``'s blocks that have ``host`` (``self_attn``, ``mlp``, ``linear_attn``)."""
@@ -145,7 +205,7 @@ class Family:
     family: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
     # the config attributes the family reads or knowingly ignores; the loader reports any other whose value is not
-    # transformers' default (``jstd.io.load.unhandled``)
+    # transformers' default (``jstd.io.hf.unhandled``)
     handled: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod

@@ -11,7 +11,7 @@ rotary's dtype); everything else is here, once.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -20,10 +20,12 @@ from jaxtyping import Array, Float
 from jstd.core.config import ModelConfig
 from jstd.core.context import begin
 from jstd.models.namemap import Entry, linear
-from jstd.kernels.rope import Rotary, rotary_from_config
-from jstd.kernels.rounding import rounded
+from jstd.kernels.rope import Rotary
+from jstd.kernels.rope_config import rotary_from_config
+from jstd.kernels.rounding import rounded, times
 from jstd.models.base import Family, Model, param, shape
-from jstd.models.layers import LLAMA_NAMES, RMSNorm, times
+from jstd.models.block import LLAMA_NAMES
+from jstd.models.norms import RMSNorm
 from jstd.models.stack import Stack
 from jstd.kernels.mrope import mrope_positions
 
@@ -48,6 +50,16 @@ class CausalLM(Model):
     @property
     def stacks(self) -> dict:
         return {"layers": self.layers}
+
+    @property
+    def decoder(self) -> "CausalLM":
+        """The model itself: a causal LM decodes its own tokens."""
+        return self
+
+    def unstacked(self, take: Callable[[Array, int], Array]) -> "CausalLM":
+        """The same model with its stack's blocks held one by one (``Stack.unstacked``) and run unrolled, not
+        scanned: each block reads its own arrays. ``take(a, j)``: row ``j`` of a stacked array (a view, a copy)."""
+        return eqx.tree_at(lambda m: m.layers, self, self.layers.unstacked(take))
 
     @property
     def mrope(self) -> bool:
@@ -164,7 +176,7 @@ class TextFamily(Family):
 
     @classmethod
     def block(cls, hf, c: ModelConfig, kind: str, dtype):
-        """The skeleton of one block of ``kind`` (a ``layers.Block``)."""
+        """The skeleton of one block of ``kind`` (a ``block.Block``)."""
         raise NotImplementedError
 
     @classmethod

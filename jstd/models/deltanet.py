@@ -41,7 +41,9 @@ from jaxtyping import Array, Float
 from jstd.kernels.select import gated_delta_rule  # the kernel for the backend (jstd/kernels/select.py)
 from jstd.models.namemap import Entry, linear, split_in, split_out
 from jstd.models.base import param, shape
-from jstd.models.layers import RMSNorm, activation, flat_product
+from jstd.kernels.activations import activation
+from jstd.kernels.projection import flat_product
+from jstd.models.norms import RMSNorm
 from jstd.core.tap import Taps
 
 SITE = "linear_attn."
@@ -143,7 +145,7 @@ class GatedDeltaNet(eqx.Module):
             final = states[:, -1]
         else:
             y, final = result
-        s(SITE + "state_output", final)  # read-only (jstd/sites.py): what a cache keeps; nothing downstream reads it
+        s(SITE + "state_output", final)  # read-only (jstd/core/sites.py): what a cache keeps; nothing downstream reads it
         y = s(SITE + "attention_head_outputs", y)
 
         gate = proj(x, self.gate)

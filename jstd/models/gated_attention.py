@@ -20,7 +20,9 @@ from jaxtyping import Array, Float
 
 from jstd.models.namemap import Entry
 from jstd.models.base import shape
-from jstd.models.layers import Attention, HeadNorm, add_bias
+from jstd.kernels.projection import add_bias
+from jstd.models.attention import Attention
+from jstd.models.norms import HeadNorm
 
 
 def _query_half(heads: int, half: int):

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from jstd.core.config import ModelConfig
 from jstd.models.causal_lm import TextFamily
-from jstd.models.layers import Attention, Block, GatedMLP
+from jstd.models.attention import Attention
+from jstd.models.block import Block
+from jstd.models.mlp import GatedMLP
 
 
 class Llama(TextFamily):
@@ -32,11 +34,12 @@ class Llama(TextFamily):
     def block(cls, hf, c: ModelConfig, kind: str, dtype) -> Block:
         bias = bool(getattr(hf, "attention_bias", False))
         return Block(
-            cls.norm(hf, c, dtype),
-            Attention.skeleton(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, cls.attention_scale(hf, c),
-                               bias, bias, dtype),
-            None,
-            cls.norm(hf, c, dtype),
-            GatedMLP.skeleton(c.hidden_size, c.intermediate_size, hf.hidden_act, bool(getattr(hf, "mlp_bias", False)), dtype),
-            None,
+            attention_norm=cls.norm(hf, c, dtype),
+            attn=Attention.skeleton(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                    cls.attention_scale(hf, c), bias, bias, dtype),
+            attention_post_norm=None,
+            mlp_norm=cls.norm(hf, c, dtype),
+            mlp=GatedMLP.skeleton(c.hidden_size, c.intermediate_size, hf.hidden_act,
+                                  bool(getattr(hf, "mlp_bias", False)), dtype),
+            mlp_post_norm=None,
         )

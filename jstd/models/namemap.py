@@ -20,6 +20,8 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
+    """One checkpoint tensor (``key``) and the skeleton leaf it fills (``path``) after ``transform``."""
+
     key: str | tuple[str, ...]
     path: str
     transform: Callable[[np.ndarray], np.ndarray] = lambda w: w
@@ -60,6 +62,11 @@ def split_in(heads: int):
 def split(heads: int):
     """[heads*dim] -> [heads, dim]: a per-head bias."""
     return lambda b: b.reshape(heads, -1)
+
+
+def present(module, entries: list[Entry]) -> list[Entry]:
+    """The entries whose parameter exists on ``module`` (optional biases and norms are None when absent)."""
+    return [e for e in entries if getattr(module, e.path.split(".")[0]) is not None]
 
 
 # ---- tree paths, dotted as the name maps write them ("layers.blocks.0.self_attn.q") -------------------------------

@@ -38,10 +38,13 @@ The values, in the standard vocabulary:
 
 from __future__ import annotations
 
-from jstd.kernels.rope import rotary_from_config
+from jstd.kernels.rope_config import rotary_from_config
 from jstd.models.causal_lm import HybridTextFamily
 from jstd.models.deltanet import GatedDeltaNet
-from jstd.models.layers import Attention, Block, GatedMLP, RMSNorm
+from jstd.models.attention import Attention
+from jstd.models.block import Block
+from jstd.models.mlp import GatedMLP
+from jstd.models.norms import RMSNorm
 
 LINEAR, FULL = HybridTextFamily.LINEAR, HybridTextFamily.FULL
 # transformers hard-codes the gated output norm's eps (FLA's FusedRMSNormGated default), ignoring rms_norm_eps
@@ -79,11 +82,13 @@ class OlmoHybrid(HybridTextFamily):
                 c.hidden_size, hf.linear_num_key_heads, hf.linear_num_value_heads, hf.linear_key_head_dim,
                 hf.linear_value_head_dim, hf.linear_conv_kernel_dim, hf.hidden_act, hf.linear_allow_neg_eigval,
                 O_NORM_EPS, dtype)
-            return Block(norm(), mixer, None, norm(), mlp, None)
+            return Block(attention_norm=norm(), attn=mixer, attention_post_norm=None, mlp_norm=norm(), mlp=mlp,
+                         mlp_post_norm=None)
         bias = bool(getattr(hf, "attention_bias", False))
         attention = Attention.skeleton(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5,
                                        bias, bias, dtype, qk_norm_eps=hf.rms_norm_eps)
-        return Block(None, attention, norm(), None, mlp, norm())  # post-norms only
+        return Block(attention_norm=None, attn=attention, attention_post_norm=norm(),  # post-norms only
+                     mlp_norm=None, mlp=mlp, mlp_post_norm=norm())
 
     @classmethod
     def names(cls, hf, kind) -> dict:

@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 
 from jstd.core.config import ModelConfig
-from jstd.models.layers import Attention, Block, GatedMLP
+from jstd.models.attention import Attention
+from jstd.models.block import Block
+from jstd.models.mlp import GatedMLP
 from jstd.models.llama import Llama
 
 
@@ -43,11 +45,11 @@ class Qwen2VLText(Llama):
     @classmethod
     def block(cls, hf, c: ModelConfig, kind: str, dtype) -> Block:
         return Block(
-            cls.norm(hf, c, dtype),
-            Attention.skeleton(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5,
-                               True, False, dtype),
-            None,
-            cls.norm(hf, c, dtype),
-            GatedMLP.skeleton(c.hidden_size, c.intermediate_size, hf.hidden_act, False, dtype),
-            None,
+            attention_norm=cls.norm(hf, c, dtype),
+            attn=Attention.skeleton(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5,
+                                    True, False, dtype),
+            attention_post_norm=None,
+            mlp_norm=cls.norm(hf, c, dtype),
+            mlp=GatedMLP.skeleton(c.hidden_size, c.intermediate_size, hf.hidden_act, False, dtype),
+            mlp_post_norm=None,
         )

@@ -37,11 +37,13 @@ Mixture-of-experts Qwen3.5 (``qwen3_5_moe``) is not served.
 
 from __future__ import annotations
 
-from jstd.kernels.rope import rotary_from_config
+from jstd.kernels.rope_config import rotary_from_config
 from jstd.models.causal_lm import HybridTextFamily
 from jstd.models.deltanet import GatedDeltaNet
 from jstd.models.gated_attention import GatedAttention
-from jstd.models.layers import LLAMA_NAMES, Block, GatedMLP, RMSNorm
+from jstd.models.block import LLAMA_NAMES, Block
+from jstd.models.mlp import GatedMLP
+from jstd.models.norms import RMSNorm
 
 LINEAR, FULL = HybridTextFamily.LINEAR, HybridTextFamily.FULL
 
@@ -69,7 +71,8 @@ class Qwen3_5Text(HybridTextFamily):
             mixer = GatedAttention.skeleton(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                             c.head_dim ** -0.5, bool(hf.attention_bias), dtype, hf.rms_norm_eps, True)
         mlp = GatedMLP.skeleton(c.hidden_size, c.intermediate_size, hf.hidden_act, False, dtype)
-        return Block(cls.norm(hf, c, dtype), mixer, None, cls.norm(hf, c, dtype), mlp, None)
+        return Block(attention_norm=cls.norm(hf, c, dtype), attn=mixer, attention_post_norm=None,
+                     mlp_norm=cls.norm(hf, c, dtype), mlp=mlp, mlp_post_norm=None)
 
     @classmethod
     def names(cls, hf, kind) -> dict:

@@ -21,8 +21,10 @@ from __future__ import annotations
 import equinox as eqx
 
 from jstd.core.config import ModelConfig
-from jstd.kernels.rope import Rotary, rotary_from_config
-from jstd.models.layers import Block, HeadNorm
+from jstd.kernels.rope import Rotary
+from jstd.kernels.rope_config import rotary_from_config
+from jstd.models.block import Block
+from jstd.models.norms import HeadNorm
 from jstd.models.llama import Llama
 
 

@@ -6,8 +6,11 @@ stack runs as the shortest period ``P`` with ``kinds[i] == P[i % len(P)]``
 and stores one stacked block per *slot* of the period: ``slots[q]`` holds
 blocks ``q, q + p, q + 2p, …`` on a leading axis. A ``lax.scan`` over the
 ``n = depth // p`` whole periods runs slot 0 … p-1 at row ``j``, then the tail
-(the first ``depth % p`` slots at row ``n``) runs once more, unrolled. Compile
-time depends on the period, not on the depth.
+(the first ``depth % p`` slots at row ``n``) runs once more. Consecutive slots
+of one structure (a hybrid's three DeltaNet slots: a *run*, ``Stack.runs``)
+run as an inner ``lax.scan`` over the run, so each block kind is traced and
+compiled once per period (and once more on a tail), not once per slot.
+Compile time depends on the period's kinds, not on the depth.
 
 A stack has a prefix (``layers``, ``vision.layers``): its blocks tap relative
 names and the stack makes them whole. A block site is served by the blocks
@@ -24,6 +27,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from jstd.core.tap import BlockScope
 from jstd.models.namemap import Entry
 from jstd.models.base import constrain_rows, stacked
 
@@ -32,36 +36,6 @@ def period_of(kinds: Sequence[str]) -> int:
     """The length of the shortest ``P`` with ``kinds[i] == P[i % len(P)]`` for every block."""
     kinds = tuple(kinds)
     return next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
-
-
-class BlockScope:
-    """The taps of one block: one ``tap.scope`` per group of slots a site is stacked over.
-
-    ``stack_index(group)`` gives the block's (possibly traced) index among the
-    blocks of the slots in ``group``.
-    """
-
-    def __init__(self, tap, prefix: str, layer, group_of: Callable[[str], frozenset],
-                 stack_index: Callable[[frozenset], object]):
-        self.tap = tap
-        self.prefix = prefix
-        self.layer = layer
-        self._group_of = group_of
-        self._stack_index = stack_index
-        self._scopes: dict[frozenset, object] = {}
-
-    def touches(self, *sites: str) -> bool:
-        return self.tap.touches(*(self.prefix + s for s in sites))
-
-    def __call__(self, site: str, value):
-        group = self._group_of(self.prefix + site)
-        if group not in self._scopes:
-            self._scopes[group] = self.tap.scope(self.prefix, self.layer, self._stack_index(group))
-        return self._scopes[group](site, value)
-
-    @property
-    def records(self) -> dict:
-        return {k: v for scope in self._scopes.values() for k, v in scope.records.items()}
 
 
 class Rows(eqx.Module):
@@ -115,6 +89,20 @@ class Stack(eqx.Module):
         """The (stacked) slot whose blocks have ``host``, None if none has (the first such slot)."""
         return next((slot for slot in self.slots if slot.has(host)), None)
 
+    def runs(self, width: int) -> tuple[tuple[int, ...], ...]:
+        """Slots ``0 … width - 1`` in order, consecutive equal ones (``_equal``: same block structure) together.
+
+        A run of several slots (a hybrid's DeltaNet slots) runs as an inner ``lax.scan`` over them, so its block
+        is traced and compiled once; slots held one by one (``Rows``) each run alone, reading their own arrays.
+        """
+        runs: list[tuple[int, ...]] = []
+        for q in range(width):
+            if runs and not isinstance(self.slots[q], Rows) and _equal(self.slots[runs[-1][0]], self.slots[q]):
+                runs[-1] += (q,)
+            else:
+                runs.append((q,))
+        return tuple(runs)
+
     def __call__(self, h, tap, args: Mapping[str, tuple], pasts: Mapping[str, object] | None = None, first=None,
                  keep: tuple[int, ...] = (), after: Callable | None = None):
         """Run every block over ``h`` in order; return ``(h, reads)``, or ``(h, reads, streams)`` with ``keep``.
@@ -142,104 +130,32 @@ class Stack(eqx.Module):
         The reads: site -> its value stacked over ``blocks_for(site)``; for a
         site read at single blocks only (``tap.single``), site -> ``{block: value}``.
         """
-        p, L = self.period, self.depth
-        n, tail = divmod(L, p)
-        prefix = self.prefix + "."
-        pasts = pasts or {}
-        groups: dict[str, frozenset] = {}
-
-        def group_of(site: str) -> frozenset:
-            if site not in groups:
-                rel = site[len(prefix):]
-                groups[site] = frozenset(q for q in range(p) if rel in self.slots[q].sites())
-            return groups[site]
-
-        def index_in(group, j, q):
-            return j * len(group) + sum(g < q for g in group)
-
-        def run_period(h, j, width):
-            """Blocks ``j * p + q`` for q < width (``j`` traced inside the scan, an int for the tail); each block's
-            output is appended to ``outs``."""
-            records = []
-            for q in range(width):
-                slot = self.slots[q]
-                block = slot.rows[j] if isinstance(slot, Rows) else jax.tree.map(
-                    lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), slot)
-                host = block.attn.host
-                past = pasts.get(host)
-                if past is not None:
-                    row = index_in(frozenset(g for g in range(p) if self.slots[g].has(host)), j, q)
-                    past = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, keepdims=False), past)
-
-                def step(h, q=q, block=block, past=past, host=host):
-                    s = BlockScope(tap, prefix, j * p + q, group_of, lambda group, q=q: index_in(group, j, q))
-                    h = block(constrain_rows(h), args[host], s, past)  # a no-op without jax.set_mesh
-                    return (h if after is None else after(h, j * p + q)), s.records
-
-                h, block_records = step(h) if first is None else _from_block(first, j * p + q, step, h)
-                records.append(block_records)
-                outs.append(h)
-            return h, records
-
-        # sites read at single blocks only ("layers.5.X"): kept in the scan's carry, not stacked over every block
-        single = {site: blocks for site, blocks in tap.single.items() if site in self.sites()}
-
-        def keep_single(kept, records, j):
-            """Move the single-block reads out of ``records`` (blocks ``j * p + q``; ``j`` an int on the tail)
-            into ``kept``."""
-            kept = dict(kept)
-            for q, r in enumerate(records):
-                for site in [site for site in r if site in single]:
-                    value = r.pop(site)
-                    for i in single[site]:
-                        if isinstance(j, int) and i == j * p + q:
-                            kept[site, i] = value
-                        elif not isinstance(j, int) and i % p == q and i < n * p:
-                            kept[site, i] = jnp.where(j == i // p, value, kept[site, i])
-            return kept
-
-        outs: list = []  # each block's output in the period being traced (run_period appends)
-        kept = {}
-        if single:
-            shapes = jax.eval_shape(lambda h: run_period(h, 0, p)[1], h)
-            kept = {(site, i): jnp.zeros(shapes[i % p][site].shape, shapes[i % p][site].dtype)
-                    for site, blocks in single.items() for i in blocks if i < n * p}
-
+        p, (n, tail) = self.period, divmod(self.depth, self.period)
+        run = _Pass(self, tap, args, pasts or {}, first, after)
+        single = _SingleReads(self, tap, run, h)
         streams = {i: jnp.zeros_like(h) for i in keep if i < n * p}
 
         def body(carry, j):
             h, kept, streams = carry
-            outs.clear()
-            h, records = run_period(h, j, p)
+            h, records, outs = run.period(h, j, p, {i % p for i in streams})
+            kept = single.take(kept, records, j)  # moves the single-block reads out of records
             streams = {i: jnp.where(j == i // p, outs[i % p], v) for i, v in streams.items()}
-            return (h, keep_single(kept, records, j), streams), records
+            return (h, kept, streams), records
 
         if isinstance(self.slots[0], Rows):  # unstacked: every period unrolled, each block's own arrays
-            carry, period_reads = (h, kept, streams), []
+            carry, steps = (h, single.kept, streams), []
             for j in range(n):
                 carry, records = body(carry, j)
-                period_reads.append(records)
-            (h, kept, streams) = carry
-            period_reads = jax.tree.map(lambda *x: jnp.stack(x), *period_reads)
+                steps.append(records)
+            (h, kept, streams), period_reads = carry, jax.tree.map(lambda *x: jnp.stack(x), *steps)
         else:
-            (h, kept, streams), period_reads = jax.lax.scan(body, (h, kept, streams), jnp.arange(n))
-        tail_reads = []
+            (h, kept, streams), period_reads = jax.lax.scan(body, (h, single.kept, streams), jnp.arange(n))
+        tail_reads = {}
         if tail:
-            outs.clear()
-            h, tail_reads = run_period(h, n, tail)
-            kept = keep_single(kept, tail_reads, n)
+            h, tail_reads, outs = run.period(h, n, tail, {i - n * p for i in keep if i >= n * p})
+            kept = single.take(kept, tail_reads, n)
             streams.update({i: outs[i - n * p] for i in keep if i >= n * p})
-
-        reads = {}
-        for site, i in kept:
-            reads.setdefault(site, {})[i] = kept[site, i]
-        for site in {site for r in period_reads + tail_reads for site in r} - set(reads):
-            parts = [r[site] for r in period_reads if site in r]  # each [n, ...], one per slot that has it
-            value = parts[0] if len(parts) == 1 else jnp.stack(parts, axis=1).reshape(n * len(parts), *parts[0].shape[1:])
-            extra = [r[site] for r in tail_reads if site in r]
-            if extra:
-                value = jnp.concatenate([value, jnp.stack(extra)])
-            reads[site] = value
+        reads = {**_stacked_reads(period_reads, tail_reads), **single.reads(kept)}
         return (h, reads, [streams[i] for i in keep]) if keep else (h, reads)
 
     def unstacked(self, take: Callable) -> "Stack":
@@ -279,3 +195,138 @@ def _from_block(first, layer, step, h):
     shapes = jax.eval_shape(step, h)[1]
     skip = lambda h: (h, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
     return jax.lax.cond(layer >= first, step, skip, h)
+
+
+def _equal(a, b) -> bool:
+    """Whether stacked slots ``a`` and ``b`` hold blocks of one structure: one tree (static fields included) with
+    rows of the same shapes and dtypes (their numbers of rows may differ by the tail)."""
+    (la, ta), (lb, tb) = jax.tree.flatten(a), jax.tree.flatten(b)
+    return ta == tb and all(x.shape[1:] == y.shape[1:] and x.dtype == y.dtype for x, y in zip(la, lb))
+
+
+class _Pass:
+    """One call of ``Stack.__call__``: runs the blocks of a period's slots at a row, a run of equal slots at once."""
+
+    def __init__(self, stack: Stack, tap, args, pasts, first, after):
+        self.stack, self.tap, self.args, self.pasts, self.first, self.after = stack, tap, args, pasts, first, after
+        self.prefix = stack.prefix + "."
+        self._groups: dict[str, frozenset] = {}
+
+    def group_of(self, site: str) -> frozenset:
+        """The slots whose blocks compute ``site`` (a whole name): its reads and stacked edits are over them."""
+        if site not in self._groups:
+            rel = site[len(self.prefix):]
+            self._groups[site] = frozenset(q for q, slot in enumerate(self.stack.slots) if rel in slot.sites())
+        return self._groups[site]
+
+    def index_in(self, group: frozenset, j, q, k=0):
+        """Block ``j * p + q + k``'s index among the blocks of the slots in ``group`` (which holds ``q … q + k``)."""
+        return j * len(group) + sum(g < q for g in group) + k
+
+    def row(self, q: int, j):
+        """Slot ``q``'s block at row ``j`` (its parameters)."""
+        slot = self.stack.slots[q]
+        if isinstance(slot, Rows):
+            return slot.rows[j]
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), slot)
+
+    def block(self, h, j, q: int, k, block):
+        """``(h, records)`` of block ``j * p + q + k`` (``k``: traced inside a run's scan, else 0) over ``h``."""
+        stack = self.stack
+        layer = j * stack.period + q + k
+        host = block.attn.host
+        past = self.pasts.get(host)
+        if past is not None:  # stacked over the blocks with the host
+            row = self.index_in(frozenset(g for g, slot in enumerate(stack.slots) if slot.has(host)), j, q, k)
+            past = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, keepdims=False), past)
+
+        def step(h):
+            s = BlockScope(self.tap, self.prefix, layer, self.group_of, lambda group: self.index_in(group, j, q, k))
+            h = block(constrain_rows(h), self.args[host], s, past)  # a no-op without jax.set_mesh
+            return (h if self.after is None else self.after(h, layer)), s.records
+
+        return step(h) if self.first is None else _from_block(self.first, layer, step, h)
+
+    def run(self, h, j, qs: tuple[int, ...], with_outputs: bool):
+        """Blocks ``j * p + q`` for ``q`` in the run ``qs``: ``(h, records, outputs)``, the records stacked over
+        ``qs`` and each block's output stream (None unless ``with_outputs``).
+
+        A run of several slots is a ``lax.scan`` over them whose body takes its slot's row with ``lax.switch``: one
+        traced block for the run, each row's arrays sliced once, as the scan over periods slices them (a
+        ``jnp.stack`` of the rows would copy them once more, and compiles slower)."""
+        if len(qs) == 1:
+            h, records = self.block(h, j, qs[0], 0, self.row(qs[0], j))
+            return h, {site: v[None] for site, v in records.items()}, [h]
+
+        def body(h, k):
+            h, records = self.block(h, j, qs[0], k, jax.lax.switch(k, [lambda q=q: self.row(q, j) for q in qs]))
+            return h, (records, h if with_outputs else None)
+
+        h, (records, outs) = jax.lax.scan(body, h, jnp.arange(len(qs)))
+        return h, records, None if outs is None else list(outs)
+
+    def period(self, h, j, width: int, outputs: set[int]):
+        """Slots ``0 … width - 1`` at row ``j`` (traced inside the scan, an int for the tail and unstacked):
+        ``(h, records, outs)``; ``records[run]``: the reads of each run (``Stack.runs``) stacked over its slots;
+        ``outs[q]``: slot ``q``'s output for each ``q`` in ``outputs``."""
+        records, outs = {}, {}
+        for qs in self.stack.runs(width):
+            h, records[qs], o = self.run(h, j, qs, bool(outputs.intersection(qs)))
+            outs.update({q: o[k] for k, q in enumerate(qs) if q in outputs})
+        return h, records, outs
+
+
+class _SingleReads:
+    """Sites read at single blocks only (``layers.5.X``, ``tap.single``): each read block's value is kept in the
+    scan's carry (``kept``: ``(site, block) -> value``), not stacked over every block."""
+
+    def __init__(self, stack: Stack, tap, run: _Pass, h):
+        """``kept`` starts as zeros for the read blocks the scan runs, shaped as one period's records (traced
+        once more, compiled never)."""
+        self.sites = {site: blocks for site, blocks in tap.single.items() if site in stack.sites()}
+        self.period, self.scanned = stack.period, stack.depth - stack.depth % stack.period
+        self.kept = {}
+        if self.sites:
+            records = jax.eval_shape(lambda h: run.period(h, 0, stack.period, set())[1], h)
+            at = lambda site, i: next(r[site] for qs, r in records.items() if i % self.period in qs)
+            self.kept = {(site, i): jnp.zeros(at(site, i).shape[1:], at(site, i).dtype)
+                         for site, blocks in self.sites.items() for i in blocks if i < self.scanned}
+
+    def take(self, kept: dict, records: dict, j) -> dict:
+        """``kept`` updated from ``records`` (``_Pass.period``'s, of blocks ``j * p + q``; ``j`` traced in the
+        scan, an int on the tail and unstacked periods), the kept sites moved out of ``records``."""
+        kept, p = dict(kept), self.period
+        for qs, r in records.items():
+            for site in [site for site in r if site in self.sites]:
+                value = r.pop(site)
+                for i in self.sites[site]:
+                    if i % p not in qs:
+                        continue
+                    v = value[i % p - qs[0]]
+                    if isinstance(j, int) and i // p == j:
+                        kept[site, i] = v
+                    elif not isinstance(j, int) and i < self.scanned:
+                        kept[site, i] = jnp.where(j == i // p, v, kept[site, i])
+        return kept
+
+    @staticmethod
+    def reads(kept: dict) -> dict:
+        """site -> {block: value}."""
+        reads = {}
+        for (site, i), value in kept.items():
+            reads.setdefault(site, {})[i] = value
+        return reads
+
+
+def _stacked_reads(period_reads: dict, tail_reads: dict) -> dict:
+    """Each site's values in block order: ``period_reads`` (run -> site -> ``[n, len(run), ...]``, the scan's)
+    period by period, then ``tail_reads`` (run -> site -> ``[len(run), ...]``)."""
+    period_reads, tail_reads = ([by_run[qs] for qs in sorted(by_run)] for by_run in (period_reads, tail_reads))
+    reads = {}
+    for site in {site for r in period_reads + tail_reads for site in r}:
+        parts = [r[site] for r in period_reads if site in r]
+        value = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+        value = value.reshape(-1, *value.shape[2:])
+        extra = [r[site] for r in tail_reads if site in r]
+        reads[site] = jnp.concatenate([value, *extra]) if extra else value
+    return reads

@@ -7,9 +7,10 @@ from __future__ import annotations
 import equinox as eqx
 from jaxtyping import Array, Float
 
-from jstd.models.namemap import Entry, linear
+from jstd.models.namemap import Entry, linear, present
 from jstd.models.base import param, shape
-from jstd.models.layers import LayerNorm, activation, present
+from jstd.kernels.activations import activation
+from jstd.models.norms import LayerNorm
 
 
 class MLPProjector(eqx.Module):

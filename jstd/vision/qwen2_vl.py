@@ -30,7 +30,9 @@ from jaxtyping import Array, Float
 
 from jstd.core.config import ModelConfig, VisionConfig
 from jstd.core.inputs import Inputs
-from jstd.models.layers import MLP, Block, GatedMLP, LayerNorm, RMSNorm
+from jstd.models.block import Block
+from jstd.models.mlp import MLP, GatedMLP
+from jstd.models.norms import LayerNorm, RMSNorm
 from jstd.models.stack import Stack
 from jstd.models.base import Family, Model, shape
 from jstd.kernels.mrope import mrope_positions
@@ -108,9 +110,11 @@ class QwenViTFamily:
         v = cls.vision_config(hf)
         rms = cls.rms(hf)
         norm = lambda: RMSNorm.skeleton(v.hidden_size, 1e-6, dtype) if rms else LayerNorm.skeleton(v.hidden_size, 1e-6, dtype)
-        block = lambda kind: Block(norm(), PackedAttention.skeleton(v.hidden_size, v.num_heads,
-                                                                     kind == "window_attention", dtype),
-                                   None, norm(), cls.mlp(hf, v, dtype), None)
+        block = lambda kind: Block(
+            attention_norm=norm(),
+            attn=PackedAttention.skeleton(v.hidden_size, v.num_heads, kind == "window_attention", dtype),
+            attention_post_norm=None, mlp_norm=norm(), mlp=cls.mlp(hf, v, dtype), mlp_post_norm=None,
+        )
         unit = v.num_channels * v.temporal_patch_size * v.patch_size ** 2
         window = None if v.window_size is None else v.window_size // v.spatial_merge_size // v.patch_size
         return QwenViT(

@@ -9,11 +9,10 @@ vmaps; a prompt without images simply has no image tokens.
 
 from __future__ import annotations
 
-import equinox as eqx
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Float, Int
+
+from jstd.core.checks import checked
 
 
 def image_token_mask(tokens: Int[Array, "batch seq"], image_token_id: int) -> Bool[Array, "batch seq"]:
@@ -26,13 +25,8 @@ def check_image_tokens(tokens: Int[Array, "batch seq"], image_token_id: int, fea
     msg = (f"the prompts hold {{}} image tokens (id {image_token_id}) but {what} give {features} image features; "
            "build the prompt and the images with the model's processor, one image placeholder per image "
            "(jstd.Inputs.of(processor(text=..., images=..., return_tensors='np')))")
-    if not isinstance(tokens, jax.core.Tracer):
-        count = int((np.asarray(tokens) == image_token_id).sum())
-        if count != features:
-            raise ValueError(msg.format(count))
-        return tokens
-    count = (tokens == image_token_id).sum()
-    return eqx.error_if(tokens, count != features, msg.format("a different number of"))
+    return checked(tokens, lambda xp, t: (t == image_token_id).sum() != features, msg.format("a different number of"),
+                   concrete=lambda t, _: msg.format(int((t == image_token_id).sum())))
 
 
 def scatter(embeddings: Float[Array, "batch seq hidden"], mask: Bool[Array, "batch seq"],

@@ -25,7 +25,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jstd.models.namemap import Entry
 from jstd.models.base import Model, param
-from jstd.models.layers import LayerNorm
+from jstd.models.norms import LayerNorm
 from jstd.models.stack import Stack
 
 

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from jstd.core.config import ModelConfig, VisionConfig
 from jstd.models.base import Family, shape
-from jstd.models.layers import MLP, Attention, Block, LayerNorm
+from jstd.models.attention import Attention
+from jstd.models.block import Block
+from jstd.models.mlp import MLP
+from jstd.models.norms import LayerNorm
 from jstd.models.stack import Stack
 from jstd.vision.tower import VisionModel, VisionTower
 
@@ -63,9 +66,11 @@ class ViTFamily(Family):
         v = cls.vision_config(hf)
         norm = lambda: LayerNorm.skeleton(v.hidden_size, hf.layer_norm_eps, dtype)
         block = lambda kind: Block(
-            norm(),
-            Attention.skeleton(v.hidden_size, v.num_heads, v.num_heads, v.head_dim, v.head_dim ** -0.5, True, True, dtype),
-            None, norm(), MLP.skeleton(v.hidden_size, v.intermediate_size, hf.hidden_act, dtype), None,
+            attention_norm=norm(),
+            attn=Attention.skeleton(v.hidden_size, v.num_heads, v.num_heads, v.head_dim, v.head_dim ** -0.5, True,
+                                    True, dtype),
+            attention_post_norm=None, mlp_norm=norm(),
+            mlp=MLP.skeleton(v.hidden_size, v.intermediate_size, hf.hidden_act, dtype), mlp_post_norm=None,
         )
         return VisionTower(
             patch_embedding=shape(v.num_channels * v.patch_size ** 2, v.hidden_size, dtype=dtype),

@@ -63,6 +63,11 @@ class VisionLanguageModel(Model):
     def stacks(self) -> dict:
         return {"layers": self.text.layers, "vision.layers": self.vision.layers}
 
+    @property
+    def decoder(self) -> CausalLM:
+        """The text model: after the prefill it decodes alone (the image is in the cache by then)."""
+        return self.text
+
     # ---- what a family overrides ---------------------------------------------
     def tower_images(self, inputs: Inputs):
         """``(pixel_values [images, channels, height, width], patch_mask or None)``: the tower's batch."""
@@ -168,7 +173,7 @@ class WrapperFamily(Family):
 
     model_class: ClassVar[type]
     keys: ClassVar[dict]
-    # text_config and vision_config are checked against the text and tower families (jstd.io.load.unhandled)
+    # text_config and vision_config are checked against the text and tower families (jstd.io.hf.unhandled)
     handled = frozenset({"text_config", "vision_config", "image_token_id", "image_token_index", "tie_word_embeddings"})
 
     @classmethod

@@ -4,7 +4,7 @@
 
 SRC: a HuggingFace folder or hub repo id (never written to). DST: the new folder, written to a temporary sibling
 and renamed when complete. `jstd.load(DST)` then reads it with no name map and no transform. See
-jstd/io/convert.py for the layout.
+jstd/io/stacked.py for the layout.
 """
 
 import sys

@@ -4,7 +4,7 @@
     python scripts/convert/jstd_to_hf.py MODEL DST [--dtype float32] [--force] [--quiet]
 
 To export an edited model (a head ablated in o_proj, steering folded into a bias, ...), edit it in Python and call
-`jstd.export(model, DST, files_from=MODEL)`: see jstd/io/convert.py.
+`jstd.export(model, DST, files_from=MODEL)`: see jstd/io/export.py.
 """
 
 import sys

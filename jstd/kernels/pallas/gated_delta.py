@@ -167,15 +167,15 @@ def _triton_params():
 def _forward(q, k, v, g, beta, initial_state, *, use_qk_l2norm, chunk_size, return_states, interpret):
     out_dtype = q.dtype
     T = q.shape[1]
-    p = _gd._prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
+    p = _gd.prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
     B, _, H, Dk = p.q.shape
     Dv = p.v.shape[-1]
     # at least 16 (Triton's smallest dot) unless a smaller chunk is asked for
-    C = max(_gd._chunk_size_for(T, chunk_size), min(chunk_size, 16))
+    C = max(_gd.chunk_size_for(T, chunk_size), min(chunk_size, 16))
     pad = (-T) % C
     Tp = T + pad
     N = Tp // C
-    qp, kp, vp, gp, bp = (_gd._pad_time(x, pad) for x in (p.q, p.k, p.v, p.g, p.beta))
+    qp, kp, vp, gp, bp = (_gd.pad_time(x, pad) for x in (p.q, p.k, p.v, p.g, p.beta))
     gamma = jnp.cumsum(gp.reshape(B, N, C, H), axis=2)  # in-chunk cumulative log decay
     heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, ...] -> [B, H, T, ...]
     qh, kh, vh = heads_major(qp), heads_major(kp), heads_major(vp)
@@ -233,9 +233,9 @@ def _forward(q, k, v, g, beta, initial_state, *, use_qk_l2norm, chunk_size, retu
     # chunk-major layouts for the shared in-chunk state recomputation
     starts = jnp.transpose(starts, (2, 0, 1, 3, 4))  # [N, B, H, Dk, Dv]
     deltas = jnp.transpose(deltas.reshape(B, H, N, C, Dv), (2, 0, 1, 3, 4))
-    kc = _gd._to_chunks(kp, C)
-    gc = _gd._to_chunks(gp, C)
-    states = _gd._in_chunk_states(starts, deltas, kc, gc)[:, :T]
+    kc = _gd.to_chunks(kp, C)
+    gc = _gd.to_chunks(gp, C)
+    states = _gd.in_chunk_states(starts, deltas, kc, gc)[:, :T]
     return out, outs[1], states
 
 

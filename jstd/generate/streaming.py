@@ -1,0 +1,52 @@
+"""``stream``: row 0's new tokens one jitted step at a time (the prefill, then one ``decode`` per call), so that
+they can be shown as they come; the tokens ``generate`` gives without edits."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import ArrayLike, Int, PRNGKeyArray
+
+from jstd.core.inputs import Inputs, as_inputs, with_layout
+from jstd.generate.cache import decode, prefill, stepper
+from jstd.generate.sampling import Sampling, next_token
+from jstd.models.base import Model
+
+
+def stream(model: Model, inputs: Int[ArrayLike, "batch prompt"] | Inputs, *, max_new_tokens: int,
+           sampling: Sampling | None = None, key: PRNGKeyArray | None = None,
+           eos_token_id: int | Sequence[int] | Int[ArrayLike, "ids"] | None = None) -> Iterator[list[int]]:
+    """Yield row 0's new tokens so far (a list of ids) after each step, stopping after an EOS id: the tokens
+    ``generate`` gives without edits, one jitted step per call so they can be shown as they come (``eos_token_id``
+    as ``generate``'s: None is the checkpoint's)."""
+    inputs = with_layout(as_inputs(inputs))
+    prompt = np.shape(inputs.tokens)[1]
+    eos_token_id = model.config.eos_token_ids if eos_token_id is None else eos_token_id
+    eos = set(np.asarray(eos_token_id, np.int64).reshape(-1).tolist())
+    key = jax.random.key(0) if key is None else key
+    token, cache = _stream_start(model, inputs, sampling, key, max_new_tokens)
+    decoder = stepper(model)
+    out = []
+    for i in range(max_new_tokens):
+        if i:
+            token, cache = _stream_next(decoder, cache, token, jnp.asarray(prompt + i - 1), sampling, key, jnp.asarray(i))
+        out.append(int(np.asarray(token)[0]))
+        yield list(out)
+        if out[-1] in eos:
+            return
+
+
+@eqx.filter_jit
+def _stream_start(model, inputs, sampling, key, new):
+    out, cache = prefill(model, inputs, (), new)
+    return next_token(sampling, out.logits[:, -1], key, 0), cache
+
+
+@eqx.filter_jit
+def _stream_next(model, cache, token, at, sampling, key, i):
+    step, cache = decode(model, cache, token, at, ())
+    return next_token(sampling, step.logits[:, -1], key, i), cache

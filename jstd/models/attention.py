@@ -1,0 +1,137 @@
+"""Softmax attention shared by every family and tower: ``Attention`` (grouped-query heads, optional biases,
+optional q/k norms, rotary).
+
+Weights are stored input-major (``x @ w``), the projections split into heads:
+q ``[embed, heads, head_dim]``, k and v ``[embed, kv_heads, head_dim]``, o
+``[heads, head_dim, embed]``. Every value it computes passes a tap
+(``s(site, value)``) under its name relative to its block
+(``self_attn.attention_queries``); ``entries(names)`` lists its checkpoint
+tensors relative to the module (``q_proj.weight`` -> ``q``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jstd.core.tap import Taps
+from jstd.kernels import attention as attn_kernels
+from jstd.kernels.projection import add_bias, flat_product
+from jstd.kernels.rope import apply_rotary
+from jstd.models.base import param, shape
+from jstd.models.namemap import Entry, present, split, split_in, split_out
+from jstd.models.norms import RMSNorm
+
+
+class Attention(eqx.Module):
+    """Softmax attention with grouped-query heads, optional biases and rotary embedding.
+
+    ``q_norm`` / ``k_norm`` (None on Llama) are RMSNorms applied before the
+    rotary: over the whole query / key projection (every head at once, before
+    the split into heads: OLMo-2/3) or, when the norm is one head wide
+    (``HeadNorm``), over each head (Qwen3, Qwen3.5).
+
+    Called as ``attn(x, (cos_sin, mask), s, past)``: ``cos_sin`` None runs no
+    rotary (towers); ``mask`` ``[batch, 1, seq, keys]`` (True: attend) or None
+    (every token sees every token, as in a tower).
+
+    Taps (``self_attn.*``), in order: queries, keys, values (after the rotary,
+    before the GQA repeat), scores and probabilities (explicit path only: taken
+    when either is read or edited), head_outputs, premix. Returns o_proj's output.
+
+    ``past``: the cached ``(keys, values)`` ``[batch, kv_heads, cached,
+    head_dim]`` of earlier positions (``jstd.Context``); the keys attended are
+    then the cached ones followed by the tokens' own, on the ``mask``'s key
+    axis and on the scores' and probabilities'.
+    """
+
+    q: Float[Array, "embed heads head_dim"] = param("embed", "heads", "head_dim")
+    k: Float[Array, "embed kv_heads head_dim"] = param("embed", "kv_heads", "head_dim")
+    v: Float[Array, "embed kv_heads head_dim"] = param("embed", "kv_heads", "head_dim")
+    o: Float[Array, "heads head_dim embed"] = param("heads", "head_dim", "embed")
+    q_bias: Float[Array, "heads head_dim"] | None = param("heads", "head_dim")
+    k_bias: Float[Array, "kv_heads head_dim"] | None = param("kv_heads", "head_dim")
+    v_bias: Float[Array, "kv_heads head_dim"] | None = param("kv_heads", "head_dim")
+    o_bias: Float[Array, "embed"] | None = param("embed")
+    scale: float = eqx.field(static=True)
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
+
+    host: ClassVar[str] = "self_attn"
+    sites: ClassVar[tuple[str, ...]] = (
+        "attention_queries", "attention_keys", "attention_values", "attention_scores", "attention_probabilities",
+        "attention_head_outputs", "attention_premix",
+    )
+
+    def project(self, x: Float[Array, "batch seq embed"], w: Float[Array, "embed heads head_dim"],
+                b: Float[Array, "heads head_dim"] | None, norm: RMSNorm | None = None
+                ) -> Float[Array, "batch heads seq head_dim"]:
+        """``x`` projected into heads by ``w`` (plus ``b``), normed by ``norm`` (per head when it is one head wide,
+        else over the whole projection), head-major."""
+        if norm is None and x.shape[1] > 1:  # head-major straight out of the product
+            y = jnp.einsum("bte,ehd->bhtd", x, w)
+            return y if b is None else y + b[None, :, None, :]
+        y = flat_product(x, w)  # [batch, seq, heads, head_dim]; one position (a decoding step): see flat_product
+        y = y if b is None else y + b
+        if norm is None:
+            return jnp.swapaxes(y, 1, 2)
+        batch, seq, heads, dim = y.shape
+        if norm.weight.shape[-1] == dim:  # one head wide: a norm per head
+            return jnp.swapaxes(norm(y), 1, 2)
+        y = norm(y.reshape(batch, seq, heads * dim)).reshape(batch, seq, heads, dim)
+        return jnp.swapaxes(y, 1, 2)
+
+    def gated(self, heads: Float[Array, "batch seq heads head_dim"], x: Float[Array, "batch seq embed"]):
+        """What ``o_proj`` receives (``attention_premix``) from the heads' outputs; the heads themselves here
+        (a gated attention multiplies them by its gate)."""
+        return heads
+
+    def __call__(self, x: Float[Array, "batch seq embed"], args, s: Taps, past=None) -> Float[Array, "batch seq embed"]:
+        cos_sin, mask = args
+        q = self.project(x, self.q, self.q_bias, self.q_norm)
+        k = self.project(x, self.k, self.k_bias, self.k_norm)
+        v = self.project(x, self.v, self.v_bias)
+        if cos_sin is not None:
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        q = s("self_attn.attention_queries", q)
+        k = s("self_attn.attention_keys", k)
+        v = s("self_attn.attention_values", v)
+        if past is not None:
+            k, v = (jnp.concatenate([cached.astype(own.dtype), own], axis=2) for cached, own in zip(past, (k, v)))
+        if s.touches("self_attn.attention_scores", "self_attn.attention_probabilities"):
+            scores = s("self_attn.attention_scores", attn_kernels.scores(q, k, self.scale, mask))
+            probs = s("self_attn.attention_probabilities", attn_kernels.probabilities(scores))
+            heads = attn_kernels.mix(probs, v)
+        else:
+            heads = attn_kernels.fused(q, k, v, self.scale, mask)
+        heads = s("self_attn.attention_head_outputs", heads)
+        heads = s("self_attn.attention_premix", self.gated(heads, x))
+        return add_bias(flat_product(heads, self.o, 2), self.o_bias)
+
+    def entries(self, names=None) -> list[Entry]:
+        """``names["out"]``: the output projection's name (``o_proj``; ``out_proj`` on CLIP and SigLIP)."""
+        H, K = self.q.shape[-2], self.k.shape[-2]
+        o = (names or {}).get("out", "o_proj")
+        return present(self, [
+            Entry("q_proj.weight", "q", split_out(H)), Entry("k_proj.weight", "k", split_out(K)),
+            Entry("v_proj.weight", "v", split_out(K)), Entry(f"{o}.weight", "o", split_in(H)),
+            Entry("q_proj.bias", "q_bias", split(H)), Entry("k_proj.bias", "k_bias", split(K)),
+            Entry("v_proj.bias", "v_bias", split(K)), Entry(f"{o}.bias", "o_bias"),
+            Entry("q_norm.weight", "q_norm.weight"), Entry("k_norm.weight", "k_norm.weight"),
+        ])
+
+    @classmethod
+    def skeleton(cls, embed, heads, kv_heads, head_dim, scale, bias: bool, o_bias: bool, dtype,
+                 qk_norm_eps: float | None = None) -> "Attention":
+        """``qk_norm_eps``: give the attention OLMo's whole-projection q_norm / k_norm with this eps."""
+        b = lambda *d: shape(*d, dtype=dtype) if bias else None
+        norm = lambda n: None if qk_norm_eps is None else RMSNorm.skeleton(n * head_dim, qk_norm_eps, dtype, True)
+        return cls(
+            shape(embed, heads, head_dim, dtype=dtype), shape(embed, kv_heads, head_dim, dtype=dtype),
+            shape(embed, kv_heads, head_dim, dtype=dtype), shape(heads, head_dim, embed, dtype=dtype),
+            b(heads, head_dim), b(kv_heads, head_dim), b(kv_heads, head_dim),
+            shape(embed, dtype=dtype) if o_bias else None, scale, norm(heads), norm(kv_heads),
+        )

@@ -1,0 +1,115 @@
+"""The one ``Block`` of every family and tower: a mixer and an MLP, with optional pre-norms, post-norms and a
+residual multiplier; and ``LLAMA_NAMES``, the HuggingFace module names of Llama's block parts.
+
+Every value a block computes passes a tap (``s(site, value)``) under its name
+*relative to the block* (``self_attn.attention_queries``); the stack the block
+runs in supplies the prefix (``layers.``, ``vision.layers.``). Each part owns
+its fragment of the name map (``entries(names)``) and the block places the
+fragments under the family's module names (``Entry.under``).
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+from jaxtyping import Array, Float
+
+from jstd.core.tap import Taps
+from jstd.kernels.rounding import rounded, times
+from jstd.models.mlp import MLP, GatedMLP
+from jstd.models.namemap import Entry
+from jstd.models.norms import LayerNorm, RMSNorm
+
+
+RAW_OUTPUT = {"self_attn": "self_attn.attention_raw_output", "mlp": "mlp.mlp_raw_output"}
+# the block's own modules, in the order of the names a family gives them (Block.entries)
+BLOCK_PARTS = ("attention_norm", "attn", "attention_post_norm", "mlp_norm", "mlp", "mlp_post_norm")
+LLAMA_NAMES = {"attention_norm": "input_layernorm", "attn": "self_attn", "mlp_norm": "post_attention_layernorm",
+               "mlp": "mlp"}
+
+
+class Block(eqx.Module):
+    """Every family's block: a mixer and an MLP, each with an optional norm before it, an optional norm
+    after it and the family's residual multiplier::
+
+        h   = x + mult · attention_post_norm(attn(attention_norm(x)))
+        out = h + mult · mlp_post_norm(mlp(mlp_norm(h)))
+
+    Llama and the towers have the pre-norms only, OLMo's attention blocks the
+    post-norms only, HyperCLOVA X both and a multiplier. ``attn`` is softmax
+    attention or a DeltaNet mixer (its ``host``: ``self_attn``, ``linear_attn``).
+
+    Values (relative names): ``layer_input``; ``attention_norm_output`` (with an
+    input norm; without, the mixer reads ``layer_input``); the mixer's values;
+    ``{host}.attention_output`` (what the block adds: after the post-norm and
+    multiplier); ``layer_mid``; ``mlp_norm_output`` (with an MLP norm);
+    ``mlp_input``; the MLP's values; ``mlp.mlp_output``; ``layer_output``. So
+    ``layer_input + attention_output + mlp_output == layer_output`` exactly on
+    every block: a post-normed or multiplied contribution is ``rounded`` before
+    the add (without it XLA fuses the last multiply into the add, an FMA).
+    ``raw_outputs`` serves the sublayers' own outputs before post-norm and
+    multiplier (HyperCLOVA X's ``attention_raw_output`` / ``mlp_raw_output``).
+    An edit at ``mlp_input`` reaches the MLP only; edit ``layer_mid`` to change
+    the stream too.
+    """
+
+    attention_norm: RMSNorm | LayerNorm | None
+    attn: eqx.Module
+    attention_post_norm: RMSNorm | None
+    mlp_norm: RMSNorm | LayerNorm | None
+    mlp: GatedMLP | MLP
+    mlp_post_norm: RMSNorm | None
+    residual_multiplier: float = eqx.field(static=True, default=1.0)
+    raw_outputs: bool = eqx.field(static=True, default=False)
+
+    def has(self, host: str) -> bool:
+        """Whether the block has ``host`` (``self_attn``, ``linear_attn``, ``mlp``; ``""``: the block itself)."""
+        return host in ("", "mlp", self.attn.host)
+
+    def sites(self) -> frozenset[str]:
+        """The values the block computes, by relative name."""
+        host = self.attn.host
+        rel = {"layer_input", "layer_mid", "mlp_input", "layer_output", f"{host}.attention_output", "mlp.mlp_output"}
+        rel |= {"attention_norm_output"} if self.attention_norm is not None else set()
+        rel |= {"mlp_norm_output"} if self.mlp_norm is not None else set()
+        rel |= {f"{host}.{x}" for x in self.attn.sites} | {f"mlp.{x}" for x in self.mlp.sites}
+        rel |= {RAW_OUTPUT[host], RAW_OUTPUT["mlp"]} if self.raw_outputs else set()
+        return frozenset(rel)
+
+    def contribution(self, host: str, y, norm, s: Taps):
+        """What the block adds from a sublayer's own output ``y``: post-norm, multiplier, rounded."""
+        if self.raw_outputs:
+            y = s(RAW_OUTPUT[host], y)
+        if norm is None and self.residual_multiplier == 1.0:
+            return y  # Llama's block: the sublayer's output is what the block adds
+        if norm is not None:
+            y = norm(y)
+        if self.residual_multiplier != 1.0:
+            # the norm's output is rounded to the dtype before the multiplier, as in torch (XLA would otherwise
+            # keep it in float32 through the fused multiply: excess precision)
+            y = times(rounded(y) if norm is not None else y, self.residual_multiplier)
+        return rounded(y)
+
+    def __call__(self, h: Float[Array, "batch seq embed"], args, s: Taps, past=None) -> Float[Array, "batch seq embed"]:
+        """One block over the stream ``h``; ``args``: what the mixer takes besides its input (``(cos_sin, mask)``)."""
+        host = self.attn.host
+        x = s("layer_input", h)
+        normed = x if self.attention_norm is None else s("attention_norm_output", self.attention_norm(x))
+        a = self.attn(normed, args, s, past)
+        a = s(f"{host}.attention_output", self.contribution(host, a, self.attention_post_norm, s))
+        mid = s("layer_mid", x + a)
+        m_in = mid if self.mlp_norm is None else s("mlp_norm_output", self.mlp_norm(mid))
+        m_in = s("mlp_input", m_in)
+        m = s("mlp.mlp_output", self.contribution("mlp", self.mlp(m_in, s), self.mlp_post_norm, s))
+        return s("layer_output", mid + m)
+
+    def entries(self, names: dict) -> list[Entry]:
+        """The block's name map: each part's fragment under the family's module name for it (``names``:
+        part -> HuggingFace name, e.g. ``LLAMA_NAMES``; extra keys reach the parts, e.g. ``out``)."""
+        entries = []
+        for part in BLOCK_PARTS:
+            module = getattr(self, part)
+            if module is not None:
+                if part not in names:
+                    raise ValueError(f"the block has {part} but the family's names do not say where it is stored")
+                entries += [e.under(names[part] + ".", part + ".") for e in module.entries(names)]
+        return entries
