@@ -261,6 +261,23 @@ def test_trace_does_not_grow_with_depth():
     assert _traced_size("tail", 6) == _traced_size("tail", 10)
 
 
+def test_equal_slots_trace_one_mixer(monkeypatch):
+    """A period's consecutive equal slots (LLL) run as one inner scan: the DeltaNet mixer is traced once for the
+    period and once for a tail of DeltaNet blocks (LL), not once per slot (3, 5)."""
+    from jstd.models.deltanet import GatedDeltaNet
+    from jstd.models.olmo_hybrid import OlmoHybrid
+
+    traces = []
+    mixer = GatedDeltaNet.__call__
+    monkeypatch.setattr(GatedDeltaNet, "__call__", lambda self, *a, **k: traces.append(1) or mixer(self, *a, **k))
+    tokens = jax.ShapeDtypeStruct((3, 5), jnp.int32)  # a shape no other test traces, so no cached trace
+    for name, expected in (("released", 1), ("tail", 2)):
+        traces.clear()
+        run = functools.partial(jstd.run, reads=("layers.layer_output", LA + "betas"))
+        jax.eval_shape(run, OlmoHybrid.skeleton(config(name), jnp.float32), tokens)
+        assert len(traces) == expected, name
+
+
 def test_conv_stored_in_either_split(checkpoints, tmp_path):
     """transformers saves the q|k|v convolution in equal thirds; OLMo-core's files split it q|k|v. Both load."""
     _, folder, model, _ = checkpoints("released")

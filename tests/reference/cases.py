@@ -158,3 +158,12 @@ def assert_every_value(name: str, model, out, want, rtol: float = 1e-5) -> None:
     reads = tuple(sorted(model.sites))
     assert set(want) - {"logits"} == set(reads) - {"logits"}, set(want) ^ set(reads)
     assert_sites_close(out, want, reads, rtol, name)
+
+
+def final_site(model) -> str:
+    """What a run returns: the logits, or a tower's output."""
+    return "logits" if "layers" in model.stacks else "vision.tower_output"
+
+
+def final(model, out):
+    return out.logits if out.logits is not None else out["vision.tower_output"]

@@ -1,0 +1,120 @@
+"""The conformance suite, edits: on one case per family and tower (``families.MAIN``), edits against the same
+edits made through torch hooks, and every editable site changing what follows it (``tests/test_conformance.py``
+holds the rest; the suite is cut in three files so two test workers share it)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jstd
+from conftest import assert_close
+from families import MAIN
+from reference.cases import assert_sites_close, final, final_site, jit_run
+from reference.harness import TorchEdit
+from jstd.core.sites import SITES
+
+main_case = pytest.mark.parametrize("name", MAIN)
+
+
+# ---- edits --------------------------------------------------------------------------------------------------------
+
+
+def _edit_cases(model, seq: int):
+    """(label, jstd edits, torch edits): the same edit made both ways, on every stack the model has (``seq``: the
+    text's length)."""
+    cases = []
+    rng = np.random.default_rng(9)
+    for stack in model.stacks:
+        c = model.config if stack == "layers" else model.config.vision
+        v = rng.normal(size=c.hidden_size).astype(np.float32)
+        cases.append((f"scale {stack}.mlp_output", [jstd.Scale(f"{stack}.mlp.mlp_output", 0.5)],
+                      [TorchEdit(f"{stack}.mlp.mlp_output", lambda t: t * 0.5)]))
+
+        def add_last(t, v=v):
+            t = t.clone()
+            t[:, -1] += torch.from_numpy(v)
+            return t
+
+        cases.append((f"add at {stack}.1 last position", [jstd.Add(f"{stack}.layer_output", v, layer=1, positions=-1)],
+                      [TorchEdit(f"{stack}.layer_output", add_last, 1)]))
+        attention = model.layers_with("self_attn", stack)
+        if attention:
+            b = attention[0]
+            kv = c.num_kv_heads if stack == "layers" else c.num_heads
+
+            def zero_head(t, j=kv - 1):
+                t = t.clone()
+                t[:, j] = 0
+                return t
+
+            cases.append((f"zero a value head at {stack}.{b}", [jstd.Zero(f"{stack}.self_attn.attention_values", layer=b,
+                                                                           heads=kv - 1)],
+                          [TorchEdit(f"{stack}.self_attn.attention_values", zero_head, b)]))
+            if f"{stack}.self_attn.attention_probabilities" not in model.sites:  # a packed tower: no one pattern
+                continue
+            n = seq if stack == "layers" else c.positions
+            pattern = np.tril(np.ones((n, n), np.float32)) if stack == "layers" else np.ones((n, n), np.float32)
+            pattern /= pattern.sum(-1, keepdims=True)
+            cases.append((f"uniform pattern at {stack}.{b}",
+                          [jstd.Set(f"{stack}.self_attn.attention_probabilities", pattern, layer=b)],
+                          [TorchEdit(f"{stack}.self_attn.attention_probabilities",
+                                     lambda t, p=pattern: torch.from_numpy(p).expand_as(t).clone(), b)]))
+        linear = model.layers_with("linear_attn", stack)
+        if linear:
+            b = linear[0]
+            cases.append((f"halve betas at {stack}.{b}", [jstd.Scale(f"{stack}.linear_attn.betas", 0.5, layer=b)],
+                          [TorchEdit(f"{stack}.linear_attn.betas", lambda t: t * 0.5, b)]))
+    return cases
+
+
+@main_case
+def test_edits_match_torch_hooks(zoo, name):
+    _, _, model, ref, spec = zoo(name)
+    inputs, ref_inputs = spec.inputs(model, seed=7)
+    reads = tuple(f"{stack}.layer_output" for stack in model.stacks)
+    reads += ("vision.tower_output",) if "layers" not in model.stacks else ()
+    clean = ref.run(ref_inputs, reads=(final_site(model),))[final_site(model)]
+    tokens = inputs.tokens if isinstance(inputs, jstd.Inputs) else inputs
+    seq = None if tokens is None else np.shape(tokens)[-1]
+    for label, edits, torch_edits in _edit_cases(model, seq):
+        out = jit_run(model, inputs, edits, reads=reads)
+        want = ref.run(ref_inputs, reads=reads + ("logits",), edits=torch_edits)
+        assert np.abs(want[final_site(model)] - clean).max() > 1e-3, f"{label}: the edit changes nothing"
+        assert_sites_close(out, want, reads, 1e-5, f"{name}: {label}")
+
+
+@main_case
+def test_every_editable_site_changes_what_follows(zoo, name):
+    """An edit at any editable site changes the model's output (or the site is read-only and refuses edits): one
+    compiled run holds an Add at every site, switched on one at a time."""
+    _, _, model, _, spec = zoo(name)
+    inputs, _ = spec.inputs(model)
+    values, _ = zoo.every_value(name)
+    editable = [s for s in sorted(model.sites) if SITES[s].editable and s not in getattr(model, "discarded", ())]
+    for site in sorted(model.sites):
+        if not SITES[site].editable:
+            with pytest.raises(jstd.SiteError, match="read-only"):
+                jstd.Add(site, 1.0)
+    rng = np.random.default_rng(0)
+    noise = {}
+    for site in editable:
+        value = np.asarray(values[site], np.float32)
+        value = value[0] if SITES[site].per_block else value
+        real = np.abs(value[value > -1e30])
+        noise[site] = (rng.normal(size=value.shape) * (0.5 * np.sqrt(np.mean(real ** 2)) + 0.1)).astype(np.float32)
+
+    @jax.jit
+    def edited(on):
+        edits = [jstd.Add(site, noise[site] * on[i]) for i, site in enumerate(editable)]
+        return final(model, jstd.run(model, inputs, edits, reads=(final_site(model),)))
+
+    clean = np.asarray(edited(jnp.zeros(len(editable))), np.float64)
+    # zero edits change nothing (the explicit attention path runs, as scores are edited: float32-close)
+    assert_close(clean, final(model, jit_run(model, inputs, reads=(final_site(model),))), 1e-5, name)
+    for i, site in enumerate(editable):
+        after = np.asarray(edited(jnp.zeros(len(editable)).at[i].set(1.0)), np.float64)
+        assert np.abs(after - clean).max() > 1e-4 * np.abs(clean).max(), f"{name}: an edit at {site} changes nothing"
