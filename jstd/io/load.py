@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
 import jax
+import numpy as np
 
 from jstd.io.buffers import Scratch, aligned_buffer, fill, fill_entry
 from jstd.io.hf import plan, with_generation_ids
@@ -11,7 +11,7 @@ from jstd.io.hub import resolve
 from jstd.io.safetensors import SafetensorsFiles
 from jstd.io.source import hf_source, with_source
 from jstd.io.stacked import is_converted, load_converted
-from jstd.models.namemap import at_path, replace_at
+from jstd.models.namemap import at_path, leaf_paths, replace_at
 from jstd.sharding import placer
 
 
@@ -55,7 +55,7 @@ def load(path_or_repo_id, *, dtype=None, mesh=None, rules=None):
     place = placer(skeleton, mesh, rules)
     leaves = [_read(files, e, at_path(skeleton, e.path), scratch, place) for e in entries]
     model = replace_at(skeleton, [e.path for e in entries], leaves)
-    unfilled = [p for p, leaf in _paths(model) if isinstance(leaf, jax.ShapeDtypeStruct)]
+    unfilled = [p for p, leaf in leaf_paths(model) if isinstance(leaf, jax.ShapeDtypeStruct)]
     if unfilled:
         raise RuntimeError(f"{family.family} name map leaves parameters unfilled: {unfilled}")
     return with_generation_ids(with_source(model, hf_source(folder, files, entries)), folder)  # source: for export
@@ -90,8 +90,3 @@ def _read_parts(files: SafetensorsFiles, entry, leaf: jax.ShapeDtypeStruct, scra
         return out
 
     return place.shards(entry.path, leaf.shape, part)
-
-
-def _paths(tree):
-    return [(jax.tree_util.keystr(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))[0]]
