@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench docs
+.PHONY: demo test bench docs aot
 
 $(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,14 @@ $(VENV)/.test: $(VENV)/.core
 $(VENV)/.bench: $(VENV)/.test
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
+
+# `make aot`: the compilers of the aot extra (libtpu, the CUDA plugin, ptxas, triton), so `make test` also runs
+# tests/test_aot.py (skipped without them); CI installs them
+$(VENV)/.aot: $(VENV)/.test
+	$(PY) -m pip install -q -e '.[test,aot]'
+	touch $@
+
+aot: $(VENV)/.aot
 
 $(VENV)/.demo: $(VENV)/.core
 	$(PY) -m pip install -q -e '.[plots]'

@@ -5,7 +5,11 @@ The model: an 8-block, 512-wide Llama (8 heads over 4 kv heads, intermediate
 transformers' model with sdpa attention in the same process. Prints a
 markdown table of ratios (paste into docs/benchmarks.md).
 
-    python benchmarks/forward.py [--repeats 7]
+    python benchmarks/forward.py [--repeats 7] [--family llama]
+
+``--family`` runs another text family (a ``model_type``: mistral, qwen2, gemma2, gemma3_text, olmo3, ...) at the
+same sizes (head_dim 64), its other config values transformers' defaults (Gemma 2's soft-caps, the families'
+sliding windows, which are longer than the 256 tokens here).
 """
 
 from __future__ import annotations
@@ -23,16 +27,30 @@ SIZE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_
 RESIDUAL = ("layers.layer_input", "layers.self_attn.attention_output", "layers.mlp.mlp_output", "layers.layer_output")
 
 
+# what a family's defaults hold that the benchmark's sizes replace (head_dim 256 on the Gemmas)
+FAMILY_SIZES = {"gemma": dict(head_dim=64), "gemma2": dict(head_dim=64, query_pre_attn_scalar=64),
+                "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64)}
+
+
 def llama_config(layers):
     from transformers import LlamaConfig
 
     return LlamaConfig(num_hidden_layers=layers, **SIZE)
 
 
-def compile_seconds(layers: int) -> float:
-    from jstd.models.llama import Llama
+def family_config(family: str):
+    """``layers -> config`` of ``family`` (a model_type) at the benchmark's sizes."""
+    if family == "llama":
+        return llama_config
+    from transformers import AutoConfig
 
-    return common.compile_seconds(Llama, llama_config(layers))
+    return lambda layers: AutoConfig.for_model(family, num_hidden_layers=layers, **SIZE, **FAMILY_SIZES.get(family, {}))
+
+
+def compile_seconds(layers: int, family: str = "llama") -> float:
+    from jstd.families import FAMILIES
+
+    return common.compile_seconds(FAMILIES[family], family_config(family)(layers))
 
 
 def load_memory(folder: Path) -> dict:
@@ -54,12 +72,15 @@ print(json.dumps(dict(base=base, peak=peak)))
 
 
 def main():
-    args = repeats_parser().parse_args()
-    folder, tokens = text_checkpoint(llama_config, "llama-8x512", SIZE["vocab_size"])
+    parser = repeats_parser()
+    parser.add_argument("--family", default="llama", help="the text family (model_type) to run; default llama")
+    args = parser.parse_args()
+    make = family_config(args.family)
+    folder, tokens = text_checkpoint(make, f"{args.family}-8x512", SIZE["vocab_size"])
     t = forward_timings(folder, tokens, RESIDUAL, args.repeats)
     t_torch, t_jstd, t_reads = t["torch"], t["jstd"], t["reads"]
 
-    c4, c32 = compile_seconds(4), compile_seconds(32)
+    c4, c32 = compile_seconds(4, args.family), compile_seconds(32, args.family)
     mem = load_memory(folder)
     disk = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     added = mem["peak"] - mem["base"]
@@ -74,7 +95,7 @@ def main():
         ("peak memory added while loading / checkpoint size on disk", f"{added / disk:.2f}x",
          f"{added / 2**20:.0f} MiB for {disk / 2**20:.0f} MiB"),
     ]
-    print_table(versions(), rows)
+    print_table(versions() + ("" if args.family == "llama" else f", {args.family}"), rows)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,20 @@ RSS is sampled every 2 ms during a warm sweep under a budget, for two sweep
 sizes; the peak above the RSS before the sweep is what the sweep used.
 
     python benchmarks/patching.py [--repeats 3] [--nnsight-entries 512] [--device cuda] [--no-memory]
+
+``--family gpt2``: an IOI patching sweep on GPT-2 small's shape (12 blocks, 768
+wide, 12 heads, vocab 50257; random weights, float32): an IOI-shaped prompt of
+15 tokens ("When Mary and John went to the store, John gave a drink to") and its
+ABC corruption (the three names replaced by three others), the metric the logit
+difference of the indirect object over the subject at the last position, the
+sweep ``layers.layer_output`` at every (block, position): 12 x 15 = 180 patched
+runs. Against it, in the same process and on the same torch model (sdpa): the
+nnsight loop (one trace per entry) and TransformerLens' way, ``run_with_hooks``
+per patch (a forward hook on the patched block, added, run, removed; what
+``HookedTransformer.run_with_hooks`` does around each forward). The number of
+XLA compilations the cold sweep triggers is counted (``jax.monitoring``).
+
+    python benchmarks/patching.py --family gpt2 [--repeats 3] [--device cuda]
 """
 
 from __future__ import annotations
@@ -107,15 +121,168 @@ print(json.dumps(dict(added=peak[0] - base)))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# GPT-2 small's shape; the IOI prompt's token roles (ids are arbitrary: the weights are random)
+GPT2_SMALL = dict(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024)
+IOI_SEQ, IO, S = 15, 1, 2  # positions 2 and 4 hold the names Mary (IO) and John (S); S again at 10
+IOI_NAMES = {2: IO, 4: S, 10: S}
+
+
+def ioi_prompts():
+    """(clean, corrupt) ``[1, 15]``: an IOI-shaped prompt and its ABC corruption (every name replaced)."""
+    rng = np.random.default_rng(0)
+    clean = rng.integers(1000, GPT2_SMALL["vocab_size"], (1, IOI_SEQ))
+    names = {IO: 3001, S: 3002}
+    for p, role in IOI_NAMES.items():
+        clean[0, p] = names[role]
+    corrupt = clean.copy()
+    corrupt[0, [2, 4, 10]] = [4001, 4002, 4003]
+    return clean, corrupt
+
+
+def hooks_sweep(ref, blocks, clean, corrupt, entries, io, s, device="cpu"):
+    """TransformerLens' way: for each (block, position), a forward hook setting the block's output there to the
+    clean run's, one forward (run_with_hooks), the hook removed; returns {entry: metric}."""
+    import torch
+
+    clean_t, corrupt_t = torch.as_tensor(clean, device=device), torch.as_tensor(corrupt, device=device)
+    saved = {}
+    handles = [b.register_forward_hook(lambda m, a, o, l=l: saved.__setitem__(l, o.clone())) for l, b in
+               enumerate(blocks)]
+    with torch.no_grad():
+        ref(input_ids=clean_t)
+    for h in handles:
+        h.remove()
+    out = {}
+    for layer, pos in entries:
+        def patch(module, args, output, layer=layer, pos=pos):
+            output = output.clone()
+            output[:, pos] = saved[layer][:, pos]
+            return output
+        handle = blocks[layer].register_forward_hook(patch)
+        try:
+            with torch.no_grad():
+                last = ref(input_ids=corrupt_t).logits[0, -1]
+        finally:
+            handle.remove()
+        out[layer, pos] = float(last[io] - last[s])
+    return out
+
+
+def nnsight_gpt2_sweep(ref, clean, corrupt, entries, io, s, device="cpu"):
+    """One nnsight trace per (block, position) entry on GPT-2 (``transformer.h``); returns {entry: metric}."""
+    import torch
+    from nnsight import NNsight
+
+    lm = NNsight(ref)
+    clean_t, corrupt_t = torch.as_tensor(clean, device=device), torch.as_tensor(corrupt, device=device)
+    saved = []
+    with torch.no_grad(), lm.trace(input_ids=clean_t):
+        for layer in range(len(ref.transformer.h)):
+            saved.append(lm.transformer.h[layer].output.save())
+    out = {}
+    for layer, pos in entries:
+        with torch.no_grad(), lm.trace(input_ids=corrupt_t):
+            lm.transformer.h[layer].output[:, pos] = saved[layer][:, pos]
+            logits = lm.output.logits.save()
+        last = logits[0, -1]
+        out[layer, pos] = float(last[io] - last[s])
+    return out
+
+
+def main_gpt2(args):
+    """The IOI sweep on GPT-2 small's shape: jstd's one ``patch_sweep`` against nnsight and run_with_hooks."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config
+    from gpt2_neox_cases import make_checkpoint
+
+    folder = Path(tempfile.gettempdir()) / "jstd-bench" / "gpt2-small-random"
+    if not (folder / "config.json").exists():
+        make_checkpoint(GPT2Config(**GPT2_SMALL), folder, seed=0)
+    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
+    ref = ref.to(args.device)
+    model = jstd.load(folder)
+    clean, corrupt = ioi_prompts()
+    if args.device == "cpu":  # torch gets its faster thread setting on this machine (1 or all)
+        def forward_time():
+            ids = torch.as_tensor(corrupt)
+            with torch.inference_mode():
+                ref(input_ids=ids)
+                t = time.perf_counter()
+                for _ in range(3):
+                    ref(input_ids=ids)
+            return time.perf_counter() - t
+
+        threads = {}
+        for n in sorted({1, os.cpu_count() or 1}):
+            torch.set_num_threads(n)
+            threads[n] = forward_time()
+        torch.set_num_threads(min(threads, key=threads.get))
+        print(f"torch forward, 3 runs: {threads}", file=sys.stderr, flush=True)
+    io_id, s_id = 3001, 3002
+    metric = jstd.logit_difference(io_id, s_id)
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(secs) if event == "/jax/core/compile/backend_compile_duration" else None)
+    sweep = lambda: jstd.patch_sweep(model, clean, corrupt, SITE, metric, progress=False).block_until_ready()
+    say = lambda line: print(line, file=sys.stderr, flush=True)
+    t = time.perf_counter()
+    grid = np.asarray(sweep())
+    cold, n_compiles = time.perf_counter() - t, len(compiles)
+    say(f"jstd cold {cold:.1f} s, {n_compiles} compilations")
+    warm = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        sweep()
+        warm.append(time.perf_counter() - t)
+    t_jstd, recompiled = float(np.median(warm)), len(compiles) - n_compiles
+    say(f"jstd warm {t_jstd:.2f} s")
+
+    every = [(l, p) for l in range(GPT2_SMALL["n_layer"]) for p in range(IOI_SEQ)]
+    n = min(args.torch_entries, len(every))  # torch's loops on evenly spread entries, their time scaled to all
+    entries = [every[i] for i in np.linspace(0, len(every) - 1, n).round().astype(int)]
+    blocks = list(ref.transformer.h)
+    hooks_sweep(ref, blocks, clean, corrupt, entries[:3], io_id, s_id, args.device)  # warm torch
+    t = time.perf_counter()
+    hooked = hooks_sweep(ref, blocks, clean, corrupt, entries, io_id, s_id, args.device)
+    t_hooks = (time.perf_counter() - t) * len(every) / n
+    say(f"hooks {t_hooks:.1f} s (scaled from {n} entries)")
+    t = time.perf_counter()
+    traced = nnsight_gpt2_sweep(ref, clean, corrupt, entries, io_id, s_id, args.device)
+    t_nnsight = (time.perf_counter() - t) * len(every) / n
+    say(f"nnsight {t_nnsight:.1f} s (scaled from {n} entries)")
+    diff = max(max(abs(hooked[e] - grid[e]) for e in entries), max(abs(traced[e] - grid[e]) for e in entries))
+
+    import nnsight
+    print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} ({args.device}, "
+          f"{torch.get_num_threads()} threads), nnsight {nnsight.__version__}, {os.cpu_count()} cores; torch's loops "
+          f"timed on {n} of the {len(every)} entries, scaled to all")
+    print("| figure | ratio | detail |\n| --- | --- | --- |")
+    print(f"| IOI residual sweep on GPT-2 small's shape, 12 blocks x 15 positions: nnsight loop / jstd.patch_sweep "
+          f"(warm) | {t_nnsight / t_jstd:.1f}x | jstd {t_jstd:.2f} s, nnsight {t_nnsight:.1f} s |")
+    print(f"| the same: run_with_hooks per patch / jstd.patch_sweep (warm) | {t_hooks / t_jstd:.1f}x "
+          f"| hooks {t_hooks:.1f} s |")
+    print(f"| the same, jstd including its compiles | {t_nnsight / cold:.1f}x (nnsight), {t_hooks / cold:.1f}x "
+          f"(hooks) | jstd {cold:.2f} s cold: {n_compiles} XLA compilations, {recompiled} on the warm repeats |")
+    print(f"| max abs difference of the metric vs torch | {diff:.1e} | logit difference (scale "
+          f"{np.abs(grid).max():.2f}) |")
+
+
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--family", default="llama", choices=("llama", "gpt2"),
+                        help="llama: the 8x512 Llama sweep; gpt2: the IOI sweep on GPT-2 small's shape")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--torch-entries", type=int, default=180,
+                        help="gpt2: entries timed with nnsight and with hooks (all: 180), their times scaled to 180")
     parser.add_argument("--nnsight-entries", type=int, default=512, help="entries timed with nnsight (all: 512)")
     parser.add_argument("--budget-mib", type=int, default=1024)
     parser.add_argument("--device", default="cpu", help="torch device (jax uses its default backend): cpu or cuda")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory rows (CPU only)")
     args = parser.parse_args()
     jax.config.update("jax_default_matmul_precision", "highest")  # float32 matmuls as torch does them (GPU: no TF32)
+    if args.family == "gpt2":
+        return main_gpt2(args)
 
     import nnsight
     import torch

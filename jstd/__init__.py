@@ -27,12 +27,15 @@ from jstd.run import Outputs, project_on_vocab, run
 from jstd.generate import Generation, Sampling, generate
 from jstd.core.sites import SITES, Site, SiteError
 from jstd.collect import ActivationDataset, collect
+from jstd import sae  # noqa: F401 (jstd.sae: sparse autoencoders and transcoders)
+from jstd.sae import splice
 __all__ = [
     "ConfigWarning", "token_strings",
     "load", "load_processor", "run", "Inputs", "Outputs", "project_on_vocab", "Context",
     "convert", "export",
     "generate", "Generation", "Sampling", "generation_config",
     "collect", "ActivationDataset",
+    "sae", "splice",
     "Edit", "Set", "Add", "Scale", "Zero", "Apply",
     "SITES", "Site", "SiteError", "CheckpointError", "logical_axes", "shard",
     # interventions

@@ -4,12 +4,28 @@ refuses; which sites each serves (``docs/values.md``). The only module that know
 from __future__ import annotations
 
 from jstd.core.sites import SITES, Site
+from jstd.models.gemma import Gemma
+from jstd.models.gpt2 import GPT2
+from jstd.models.gpt_neox import GPTNeoX
 from jstd.models.hyperclovax import HyperCLOVAX
 from jstd.models.llama import Llama
+from jstd.models.gemma2 import Gemma2
+from jstd.models.gemma3 import Gemma3Text
+from jstd.models.mistral import Mistral
+from jstd.models.olmo3 import Olmo3
+from jstd.models.qwen2 import Qwen2
+from jstd.models.olmo2 import Olmo2
 from jstd.models.olmo_hybrid import OlmoHybrid
+from jstd.models.phi3 import Phi3
 from jstd.models.qwen2 import Qwen2VLText
+from jstd.models.qwen3 import Qwen3
 from jstd.models.qwen3_vl import Qwen3VLText
 from jstd.models.qwen3_5 import Qwen3_5Text
+from jstd.models.smollm3 import SmolLM3
+from jstd.models.mixtral import Mixtral
+from jstd.models.olmoe import Olmoe
+from jstd.models.qwen3_5_moe import Qwen3_5MoeText
+from jstd.models.qwen3_moe import Qwen3Moe, Qwen3VLMoeText
 from jstd.vision.deepseek_vl import DeepseekVL
 from jstd.vision.idefics3 import Idefics3, SmolVLM
 from jstd.vision.llava import Llava, VipLlava
@@ -17,22 +33,22 @@ from jstd.vision.llava_next import LlavaNext
 from jstd.vision.qwen2_vl import HyperCLOVAXVisionV2, Qwen2VL, QwenVisionTower
 from jstd.vision.qwen3_vl import Qwen3_5VL, Qwen3VisionTower, Qwen3VL
 from jstd.vision.towers import CLIPVision, SiglipVision
+from jstd.vision.qwen3_vl_moe import Qwen3_5MoeVL, Qwen3VLMoe
 
-FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwen3_5Text, CLIPVision, SiglipVision, Llava,
+FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwen3_5Text, Gemma, Olmo2, Qwen3, Phi3, SmolLM3,
+                           GPT2, GPTNeoX,
+                           Mistral, Qwen2, Gemma2, Gemma3Text, Olmo3,
+                           CLIPVision, SiglipVision, Llava,
                            VipLlava, DeepseekVL, LlavaNext, Idefics3, SmolVLM, QwenVisionTower, Qwen2VL,
                            HyperCLOVAXVisionV2, Qwen3VLText, Qwen3VL, Qwen3VisionTower, Qwen3_5VL)
             for t in f.model_types}
 
+# the mixture-of-experts families (jstd.models.moe)
+FAMILIES |= {t: f for f in (Qwen3Moe, Qwen3VLMoeText, Olmoe, Mixtral, Qwen3_5MoeText, Qwen3VLMoe, Qwen3_5MoeVL)
+             for t in f.model_types}
+
 # model_types jstd knowingly does not serve, with the reason the loader gives
-REFUSED = {
-    t: f"{t} is Qwen3-VL's mixture-of-experts line, which jstd does not serve (no MoE blocks); the dense Qwen3-VL "
-       "checkpoints (model_type qwen3_vl) are supported"
-    for t in ("qwen3_vl_moe", "qwen3_vl_moe_text")
-} | {
-    t: f"{t} is Qwen3.5's mixture-of-experts line, which jstd does not serve (no MoE blocks); the dense Qwen3.5 "
-       "checkpoints (model_type qwen3_5, and its text model qwen3_5_text) are supported"
-    for t in ("qwen3_5_moe", "qwen3_5_moe_text")
-}
+REFUSED: dict[str, str] = {}
 
 
 def family_for(model_type: str | None, where: str = "the config"):

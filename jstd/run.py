@@ -59,7 +59,8 @@ def check_sites(model: Model, names: Sequence[str], what: str) -> None:
         if name in served:
             continue
         base, index = parse(name)
-        if base not in model.sites:
+        if (SITES[base].parent or base) not in model.sites:  # a dictionary's site: where its parent is served
+            base = SITES[base].parent or base
             hint = near(base, model.sites)
             raise SiteError(
                 f"{what} {name!r} is unavailable on this {model.family} model: {model.unavailable(base)}."
@@ -214,6 +215,7 @@ def forward(model: Model, inputs: Inputs, edits: tuple, context: Context | None,
     """The forward of checked arguments (what ``run`` calls once it has checked them; no check here): taps for ``reads`` and ``edits``, the model's forward, the reads by name."""
     bases = frozenset(parse(r)[0] for r in reads) | ({"logits"} if "next_token_probs" in reads else frozenset())
     num_blocks = {s: len(model.blocks_for(s)) for s in model.sites if SITES[s].per_block}
+    num_blocks.update({s: num_blocks[p.parent] for s, p in SITES.items() if p.parent in num_blocks})
     depths = {prefix: stack.depth for prefix, stack in model.stacks.items()}
     whole = {parse(r)[0] for r in reads if parse(r)[1] is None}
     single = {}
@@ -224,6 +226,10 @@ def forward(model: Model, inputs: Inputs, edits: tuple, context: Context | None,
     tap = Tap(bases - {"next_token_probs"}, edits, depths, num_blocks, single)
     logits, recorded = model.forward(inputs, tap, context)
     left = tap.unapplied()
+    if left and SITES[left[0].site].parent:
+        raise SiteError(f"edit at {left[0].site!r} was not applied: no dictionary is spliced at "
+                        f"{SITES[left[0].site].parent} on this block; pass jstd.splice(model, sae, "
+                        f"{SITES[left[0].site].parent!r}, layer=...) among the edits")
     if left:
         raise SiteError(f"edit at {left[0].site!r} was not applied: the {model.family} forward does not compute it on this call")
 
@@ -232,6 +238,9 @@ def forward(model: Model, inputs: Inputs, edits: tuple, context: Context | None,
         base, index = parse(name)
         if base == "next_token_probs":
             values[name] = jax.nn.softmax(logits[:, -1].astype(jnp.float32), axis=-1)
+        elif base not in recorded and SITES[base].parent:
+            raise SiteError(f"read {name!r}: no dictionary is spliced at {SITES[base].parent} on this call; pass "
+                            f"jstd.splice(model, sae, {SITES[base].parent!r}, layer=...) among the edits")
         elif index is None:
             values[name] = recorded[base]
         else:

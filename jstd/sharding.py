@@ -19,12 +19,17 @@ axes ``data`` and ``model``:
 - ``TP``: rows over ``data``; ``heads``, ``kv_heads``, DeltaNet heads, ``mlp``
   and ``vocab`` over ``model`` (Megatron-style column/row splits).
 - ``FSDP_TP``: both, on a 2-D mesh.
+- ``EP``: ``FSDP_TP`` with a mixture-of-experts' ``experts`` axis over ``model``
+  (expert parallelism: each device holds whole experts; the router is replicated).
 
 An axis whose size is not divisible by its mesh axes' size stays whole
 (replicated on those axes): e.g. 2 key-value heads on a 4-way ``model`` axis,
 as usual for grouped-query attention. Rules naming a mesh axis the mesh does
-not have are ignored, so ``FSDP`` runs on a 1-D ``("data",)`` mesh too. The
-layers axis is never sharded (the scan indexes it).
+not have are ignored, with a warning naming it, so ``FSDP_TP`` runs on a 1-D
+``("data",)`` mesh too; rules that would place nothing at all (no mesh axis
+of theirs on the mesh, logical names no parameter has, none matching the
+model) raise a ValueError naming them. The layers axis is never sharded (the
+scan indexes it).
 
 Sharding changes where values live, never what they are: a sharded run
 returns the single-device values (to float32 rounding of reordered sums).
@@ -43,6 +48,7 @@ from jaxtyping import Array
 
 from jstd.core.inputs import Inputs
 from jstd.models.base import DATA, MODEL, constrain_rows, logical_axes  # constrain_rows: also jstd.sharding's
+from jstd.models.base import LOGICAL_NAMES
 from jstd.models.namemap import at_path
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
@@ -55,8 +61,11 @@ DP: tuple = (("batch", DATA),)
 FSDP: tuple = (("batch", DATA), ("embed", DATA))
 TP: tuple = (("batch", DATA),) + tuple((name, MODEL) for name in _TP_NAMES)
 FSDP_TP: tuple = (("batch", DATA), ("embed", DATA)) + tuple((name, MODEL) for name in _TP_NAMES)
+# expert parallelism: FSDP_TP with a mixture-of-experts' experts over ``model`` (each device holds whole experts;
+# the expert weights' ``mlp`` axis then stays whole, as a mesh axis serves one axis of a parameter)
+EP: tuple = (("batch", DATA), ("embed", DATA), ("experts", MODEL)) + tuple((name, MODEL) for name in _TP_NAMES)
 
-LAYOUTS = {"DP": DP, "FSDP": FSDP, "TP": TP, "FSDP_TP": FSDP_TP}
+LAYOUTS = {"DP": DP, "FSDP": FSDP, "TP": TP, "FSDP_TP": FSDP_TP, "EP": EP}
 
 
 def mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
@@ -98,6 +107,40 @@ def _check_rules(rules: Rules) -> None:
                         f"got {rules!r}")
 
 
+def _check_effect(axes_tree, mesh: Mesh, rules: Rules) -> None:
+    """Rules that would do nothing, refused: ValueError when none of their mesh axes is an axis of ``mesh``, when
+    they name a logical axis no jstd parameter has (a misspelling), or when their parameter rules match no
+    parameter of the model (everything would be replicated); a warning naming the mesh axes ``mesh`` lacks when
+    only some are (a 1-D mesh drops the others: their rules place nothing)."""
+    import warnings
+
+    names = {n for spec in jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+             for n in spec if isinstance(n, str)}
+    known = names | LOGICAL_NAMES | {name for layout in LAYOUTS.values() for name, _ in layout} | {"batch"}
+    on = lambda axes: () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+    wanted = {a for _, axes in rules for a in on(axes)}
+    lacking = sorted(wanted - set(mesh.axis_names))
+    if wanted and len(lacking) == len(wanted):
+        raise ValueError(f"jstd.sharding: none of the rules' mesh axes ({', '.join(lacking)}) is an axis of the mesh "
+                         f"{tuple(mesh.axis_names)}: every value would be replicated; build the mesh with "
+                         "jstd.sharding.mesh() (axes data, model) or name the mesh's axes in the rules")
+    unknown = sorted({logical for logical, _ in rules} - known)
+    if unknown:
+        raise ValueError("jstd.sharding: the rules name logical axes no parameter has: "
+                         f"{', '.join(map(repr, unknown))} "
+                         f"(this model's: {', '.join(sorted(names))}); fix the names (jstd.logical_axes(model) "
+                         "shows each parameter's)")
+    placing = [(logical, axes) for logical, axes in rules if logical != "batch" and on(axes)]
+    if placing and not any(logical in names for logical, _ in placing):
+        raise ValueError(f"jstd.sharding: no rule matches a logical axis of this model's parameters (rules for "
+                         f"{', '.join(sorted({l for l, _ in placing}))}; its axes: {', '.join(sorted(names))}): "
+                         "every parameter would be replicated; name its axes, or use jstd.sharding.DP to replicate")
+    if lacking:
+        idle = sorted({logical for logical, axes in rules if on(axes) and set(on(axes)) <= set(lacking)})
+        warnings.warn(f"jstd.sharding: the mesh {tuple(mesh.axis_names)} has no axis {', '.join(lacking)}: the rules "
+                      f"for {', '.join(idle)} place nothing (those values are replicated)", stacklevel=4)
+
+
 def fit(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
     """``sharding`` with each dimension that its mesh axes do not divide evenly left whole (replicated)."""
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
@@ -120,6 +163,7 @@ def shardings(model, mesh: Mesh, rules: Rules = FSDP):
     from flax import linen
 
     _check_rules(rules)
+    _check_effect(logical_axes(model), mesh, rules)
     named = linen.logical_to_mesh_sharding(logical_axes(model), mesh, _rules_for(mesh, rules))
     return jax.tree.map(lambda s, leaf: fit(s, tuple(leaf.shape)), named, model,
                         is_leaf=lambda x: isinstance(x, NamedSharding))

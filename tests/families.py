@@ -17,12 +17,17 @@ from transformers import (CLIPVisionConfig, DeepseekVLConfig, HyperCLOVAXConfig,
                           VipLlavaConfig)
 from transformers import LlavaNextConfig
 
+import gpt2_neox_cases
 import llama_cases
+import moe_cases
 import olmo_hybrid_cases
 import qwen3_5_cases
 import qwen_vl_cases
 import qwen3_vl_cases
+import sliding_cases
+import text_cases
 from reference.checkpoints import make_checkpoint
+from reference.moe import MoEQwenVLReference, MoEReference
 from reference.harness import LLAMA_PLAN, TorchReference
 from reference.vision import TowerReference, make_tower_checkpoint
 from reference.qwen_vl import QwenVLReference
@@ -140,9 +145,10 @@ def llava_images(model, rng, counts) -> dict:
 
 
 # LLaVA-NeXT: original (height, width) sizes cut into different crop grids by LLAVA_NEXT_PINPOINTS (a wide 1x2,
-# a tall 2x1, a 2x2 one), each unpadded differently
+# a tall 2x1, a 2x2 one), each unpadded differently; at each size the scaled side's fraction is >= 0.5, so
+# truncating it (transformers' int(round(x, 7))) and rounding it to the nearest integer keep different grids
 LLAVA_NEXT_PINPOINTS = [[32, 64], [64, 32], [64, 64]]
-LLAVA_NEXT_SIZES = ((12, 60), (61, 47), (60, 14), (33, 30))
+LLAVA_NEXT_SIZES = ((9, 26), (41, 34), (35, 12), (33, 28))
 
 
 def llava_next_tokens(config, size) -> int:
@@ -219,6 +225,19 @@ CASES: dict[str, Spec] = {
     **{f"hyperclovax-{c}": _hyperclovax(c) for c in HYPERCLOVAX_CASES},
     **{f"olmo_hybrid-{c}": _olmo(c) for c in olmo_hybrid_cases.CASES},
     **{f"qwen3_5_text-{c}": _qwen3_5(c) for c in qwen3_5_cases.CASES},
+    # Gemma, OLMo-2, Qwen3, Phi-3, SmolLM3 (tests/text_cases.py)
+    **{c: Spec(lambda c=c: text_cases.config(c), seed=6,
+               reference=lambda folder, dtype, c=c: TorchReference(folder, dtype, text_cases.plan(c)))
+       for c in text_cases.CASES},
+    # Mistral, Qwen2, Gemma 2, Gemma 3, OLMo-3: sliding windows, soft-capping (tests/sliding_cases.py)
+    **{c: Spec(lambda c=c: sliding_cases.config(c), seed=8,
+               reference=lambda folder, dtype, c=c: TorchReference(folder, dtype, sliding_cases.plan(c)))
+       for c in sliding_cases.CASES},
+    # GPT-2 (learned positions, Conv1D, LayerNorm) and GPT-NeoX / Pythia (parallel residual, partial rotary)
+    **{f"gpt2-{c}": Spec(lambda c=c: gpt2_neox_cases.gpt2_config(c), make=gpt2_neox_cases.make_checkpoint, seed=7,
+                         reference=gpt2_neox_cases.GPT2Reference) for c in gpt2_neox_cases.GPT2_CASES},
+    **{f"gpt_neox-{c}": Spec(lambda c=c: gpt2_neox_cases.neox_config(c), make=gpt2_neox_cases.make_checkpoint, seed=7,
+                             reference=gpt2_neox_cases.neox_reference) for c in gpt2_neox_cases.NEOX_CASES},
     "clip": Spec(lambda: CLIPVisionConfig(**TOWER, hidden_act="quick_gelu"), make=make_tower_checkpoint,
                  reference=TowerReference, tower=True),
     "siglip": Spec(lambda: SiglipVisionConfig(**TOWER), make=make_tower_checkpoint, reference=TowerReference,
@@ -277,8 +296,19 @@ CASES: dict[str, Spec] = {
                     images=qwen_vl_cases.qwen_images,
                     reference=lambda folder, dtype: QwenVLReference(folder, dtype, qwen3_5_cases.PLAN)),
 }
+# mixture-of-experts (tests/moe_cases.py): the text families, and the two Qwen MoE wrappers
+CASES.update({name: Spec(config, reference=MoEReference, seed=2) for name, config in moe_cases.TEXT.items()})
+CASES.update({
+    "qwen3_vl_moe": Spec(moe_cases.qwen3_vl_moe_config, make=qwen_vl_cases.make_qwen_checkpoint, seed=5,
+                         images=qwen_vl_cases.qwen_images, reference=MoEQwenVLReference),
+    "qwen3_5_moe": Spec(moe_cases.qwen3_5_moe_config, make=moe_cases.make_qwen3_5_moe_checkpoint, seed=3,
+                        images=qwen_vl_cases.qwen_images,
+                        reference=lambda folder, dtype: MoEQwenVLReference(folder, dtype, {
+                            k: v for k, v in qwen3_5_cases.PLAN.items() if not k.startswith("layers.mlp.mlp_") or k.endswith("output")})),
+})
 MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "qwen3_5_text-released", "clip", "siglip",
-        "llava", "idefics3", "qwen2_5_vl")
+        "llava", "idefics3", "qwen2_5_vl", "gemma-2b", "olmo2-1b",
+        "gpt2-small", "gpt_neox-parallel", "qwen3_moe")
 TEXT_MAIN = tuple(c for c in MAIN if not CASES[c].tower and not CASES[c].wrapper)
 # the first case of each family and tower ("llama-mha", …, "llava"; a case's family is its name before "-")
 _FIRST: dict[str, str] = {}

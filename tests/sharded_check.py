@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jstd  # noqa: E402
 from conftest import assert_close  # noqa: E402
 
-MESHES = {"DP": (8, 1), "FSDP": (8, 1), "TP": (2, 4), "FSDP_TP": (2, 4)}
+MESHES = {"DP": (8, 1), "FSDP": (8, 1), "TP": (2, 4), "FSDP_TP": (2, 4), "EP": (2, 4)}
 run = jax.jit(jstd.run, static_argnames="reads")
 start = time.time()
 

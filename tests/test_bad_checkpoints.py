@@ -186,6 +186,6 @@ def test_inspect_a_missing_path_prints_one_line(tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path / "absent")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"jstd inspect: no such folder: {tmp_path / 'absent'}")
-    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    (tmp_path / "config.json").write_text('{"model_type": "t5"}')
     assert cli.main(["inspect", str(tmp_path)]) == 1
-    assert "unsupported model_type 'gpt2'" in capsys.readouterr().err
+    assert "unsupported model_type 't5'" in capsys.readouterr().err

@@ -100,17 +100,22 @@ def test_layouts(zoo, name):
 @main_case
 def test_block_identity(zoo, name):
     """layer_input + attention_output == layer_mid and layer_mid + mlp_output == layer_output on every block of every
-    stack (each block's mixer, whichever host it has)."""
+    stack (each block's mixer, whichever host it has); on parallel residual blocks (no layer_mid: GPT-NeoX)
+    layer_input + attention_output + mlp_output == layer_output."""
     model = zoo(name).model
     out, _ = zoo.every_value(name)
     for stack in model.stacks:
-        x, mid, y = (np.asarray(out[f"{stack}.{s}"], np.float64) for s in ("layer_input", "layer_mid", "layer_output"))
+        x, y = (np.asarray(out[f"{stack}.{s}"], np.float64) for s in ("layer_input", "layer_output"))
         mixer = np.zeros_like(x)
         for host in ("self_attn", "linear_attn"):
             site = f"{stack}.{host}.attention_output"
             if site in model.sites:
                 mixer[list(model.blocks_for(site))] = out[site]
-        np.testing.assert_allclose(x + mixer, mid, rtol=1e-6, atol=1e-6 * np.abs(mid).max())
+        if f"{stack}.layer_mid" not in model.sites:  # parallel residual: both sublayers read layer_input
+            mid = x + mixer
+        else:
+            mid = np.asarray(out[f"{stack}.layer_mid"], np.float64)
+            np.testing.assert_allclose(x + mixer, mid, rtol=1e-6, atol=1e-6 * np.abs(mid).max())
         np.testing.assert_allclose(mid + np.asarray(out[f"{stack}.mlp.mlp_output"]), y, rtol=1e-6,
                                    atol=1e-6 * np.abs(y).max())
 

@@ -63,6 +63,23 @@ def _edit_cases(model, seq: int):
                           [jstd.Set(f"{stack}.self_attn.attention_probabilities", pattern, layer=b)],
                           [TorchEdit(f"{stack}.self_attn.attention_probabilities",
                                      lambda t, p=pattern: torch.from_numpy(p).expand_as(t).clone(), b)]))
+        routed = model.blocks_for(f"{stack}.mlp.router_logits") if f"{stack}.mlp.router_logits" in model.sites else ()
+        if routed:  # a mixture of experts: re-route (expert 0 out of every top-k), ablate each token's first choice
+            b, experts = routed[-1], model.config.num_experts
+            drop = np.zeros(experts, np.float32)
+            drop[0] = -np.inf
+            cases.append((f"no expert 0 at {stack}.{b}", [jstd.Add(f"{stack}.mlp.router_logits", drop, layer=b)],
+                          [TorchEdit(f"{stack}.mlp.router_logits", lambda t, d=drop: t + torch.from_numpy(d), b)]))
+
+            def zero_first(t):
+                t = t.clone()
+                t[:, :, 0] = 0
+                return t
+
+            first = np.arange(model.config.experts_per_token)[:, None] == 0  # [top_k, 1]: each token's first choice
+            cases.append((f"ablate the first choice at {stack}.{b}",
+                          [jstd.Zero(f"{stack}.mlp.expert_outputs", layer=b, where=first)],
+                          [TorchEdit(f"{stack}.mlp.expert_outputs", zero_first, b)]))
         linear = model.layers_with("linear_attn", stack)
         if linear:
             b = linear[0]

@@ -64,13 +64,13 @@ def steering(model, seed=3):
     return v / np.linalg.norm(v) * 4.0
 
 
-def steered(model, tokens, mask, strength, eos=-1, pad=0):
+def steered(model, tokens, mask, strength, eos=(), pad=0):
     """``generate`` with ``strength`` times the steering vector added at block 1's output (0: no steering) and
-    ``eos`` (-1: no row stops; None: the model's), reading ``layers.layer_output``: one structure, so one compile
-    serves every call on a model."""
+    ``eos`` (an id; ``()``: no row stops; None: the model's), reading ``layers.layer_output``: one structure per
+    kind of ``eos``, so one compile serves every call on a model with it."""
     edits = [jstd.Add("layers.layer_output", strength * steering(model), layer=1)]
     return jstd.generate(model, tokens, edits, attention_mask=mask, max_new_tokens=NEW, reads=("layers.layer_output",),
-                         eos_token_id=None if eos is None else [eos], pad_token_id=pad)
+                         eos_token_id=eos if eos in (None, ()) else [eos], pad_token_id=pad)
 
 
 @pytest.mark.parametrize("name", families.TEXT_MAIN)
@@ -146,7 +146,7 @@ def test_a_strength_sweep_is_one_vmap_over_generate(llama):
     def sweep(strengths, layer):
         one = lambda s: jstd.generate(model, tokens, [jstd.Add("layers.layer_output", s * v, layer=layer)],
                                       attention_mask=mask, max_new_tokens=NEW, reads=("layers.layer_output",),
-                                      eos_token_id=[-1])
+                                      eos_token_id=())
         return jax.vmap(one)(strengths)
 
     swept = sweep(strengths, jnp.asarray(1))
@@ -174,9 +174,9 @@ def test_sampling_filters_as_transformers_and_is_reproducible(llama):
     _, _, model, _, _ = llama
     tokens, mask = left_padded(model, seed=9)
     hot = jstd.Sampling(temperature=2.0, top_k=8)
-    a = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[-1], sampling=hot, key=jax.random.key(1))
-    b = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[-1], sampling=hot, key=jax.random.key(1))
-    c = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[-1], sampling=hot, key=jax.random.key(2))
+    a = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=(), sampling=hot, key=jax.random.key(1))
+    b = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=(), sampling=hot, key=jax.random.key(1))
+    c = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=(), sampling=hot, key=jax.random.key(2))
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
     new = np.asarray(a.tokens)[:, PROMPT:]
@@ -184,7 +184,7 @@ def test_sampling_filters_as_transformers_and_is_reproducible(llama):
     assert (rank < 8).all(), "a sampled token outside the top k"
     cold = jstd.Sampling(temperature=1e-4, top_k=8)  # the same compile: temperature is a value
     greedy = steered(model, tokens, mask, 0.0)
-    one = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[-1], sampling=cold, key=jax.random.key(3))
+    one = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=(), sampling=cold, key=jax.random.key(3))
     np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(greedy.tokens))
 
 
@@ -274,15 +274,16 @@ def test_the_decoding_loop_reads_every_weight_where_it_lies(zoo, name):
 
     generate._jit_generate = spy
     try:
-        jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[-1])
+        jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=())
     finally:
         generate._jit_generate = real
     vocab = model.config.vocab_size
     loop = _decoding_loop(compiled["hlo"], f"f32[{NEW},{tokens.shape[0]},{vocab}]")
     # the weights in the loop: its state's entries of a product weight's shape, per block or stacked (and bitcasts
-    # of them; the DeltaNet convolutions' are read elementwise, in place)
+    # of them; the DeltaNet convolutions' are read elementwise, in place, and per-head biases [heads, head_dim] are
+    # added to a product's output, which is no copy of them)
     products = [a for path, a in jax.tree_util.tree_leaves_with_path(model.layers)
-                if a.ndim >= 3 and "conv" not in jax.tree_util.keystr(path)]
+                if a.ndim >= 3 and not any(w in jax.tree_util.keystr(path) for w in ("conv", "bias"))]
     weights = {",".join(map(str, shape)): int(np.prod(a.shape[1:])) for a in products for shape in (a.shape, a.shape[1:])}
     held, made = {}, []  # the weights' names (and their bitcasts') -> one block's size; the instructions copying one
     for line in loop:

@@ -4,8 +4,8 @@ jstd imports only where they defer a third-party package.
 
 The layers, bottom to top (docs/architecture.md draws them):
 
-    kernels → core → models → {vision, run, sharding} → families → io → {generate, collect, interventions} → jstd
-    (the face) → cli
+    kernels → core → models → {vision, run, sharding} → families → io → {generate, collect, interventions, sae} → aot →
+    jstd (the face) → cli
 
 A part may import its own modules and any part of a lower layer; parts of one layer do not import each other,
 except where ``SIDEWAYS`` allows it.
@@ -27,7 +27,8 @@ LAYERS = (
     ("jstd.vision", "jstd.run", "jstd.sharding"),
     ("jstd.families",),
     ("jstd.io",),
-    ("jstd.generate", "jstd.collect", "jstd.interventions"),
+    ("jstd.generate", "jstd.collect", "jstd.interventions", "jstd.sae"),
+    ("jstd.aot",),  # compiles the tools' programs for TPU slices and GPUs; imported by the CLI, not the face
     ("jstd",),
     ("jstd.cli",),
 )

@@ -73,10 +73,6 @@ def test_hub_layout_and_config_keys(zoo, tmp_path):
         assert {k for k in config.to_dict() if "dropout" not in k} - generic - handled == set(), config.model_type
 
 
-def test_moe_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3_5_moe"}')
-    with pytest.raises(ValueError, match="the dense Qwen3.5 checkpoints \\(model_type qwen3_5"):
-        jstd.load(tmp_path)
 
 
 def test_edits_match_torch_hooks(zoo):

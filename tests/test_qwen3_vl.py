@@ -1,7 +1,7 @@
 """Qwen3-VL beyond the conformance suite (whose ``qwen3_vl`` case compares every value — text, tower, DeepStack
 taps, positions, logits — with torch in float32 on a left-padded batch of three images: wide, tall and square, two
 in one row): the DeepStack identity, the learned positions' resampling, removing the image (features *and* taps)
-against torch hooks, Qwen3.5's tower (no DeepStack) alone, and the MoE line refused."""
+against torch hooks, Qwen3.5's tower (no DeepStack) alone (the MoE line: tests/test_moe.py)."""
 
 from __future__ import annotations
 
@@ -138,8 +138,3 @@ def test_deepstack_needs_images(zoo):
         jstd.run(model, inputs, reads=("layers.2.deepstack_output",))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_vl_moe_text"])
-def test_moe_is_refused(tmp_path, model_type):
-    (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
-    with pytest.raises(ValueError, match=f"{model_type} is Qwen3-VL's mixture-of-experts line"):
-        jstd.load(tmp_path)

@@ -26,7 +26,11 @@ LAYOUTS = {
     "olmo_hybrid-rotary_grouped": ("FSDP_TP",),
     "hyperclovax-residual": ("FSDP_TP",),
     "qwen3_5_text-released": ("FSDP_TP",),
+    "qwen3-0.6b": ("FSDP_TP",),  # per-head q/k norms: weights on the head_dim axis
+    "gpt_neox-parallel": ("FSDP_TP",),  # parallel residual blocks, LayerNorm biases, the fused q|k|v split
+    "gpt2-small": ("FSDP_TP",),  # learned positions (their own logical axis, not split)
     "llava": ("FSDP_TP",),
+    "mixtral": ("EP",),  # experts over the model axis (4 experts on 4 devices)
 }
 # XLA's CPU backend at its lowest optimization level: compiles about twice as fast; both sides of every comparison
 # run in that process

@@ -207,9 +207,9 @@ def test_unsupported_parts_are_named():
 
     from jstd.families import FAMILIES
 
-    mistral = LlavaConfig(text_config=dict(model_type="mistral"))
-    with pytest.raises(ValueError, match="'mistral' is not supported; jstd's text families: .*llama"):
-        FAMILIES["llava"].skeleton(mistral, np.float32)
+    unknown = LlavaConfig(text_config=dict(model_type="t5"))
+    with pytest.raises(ValueError, match="'t5' is not supported; jstd's text families: .*llama"):
+        FAMILIES["llava"].skeleton(unknown, np.float32)
     pixtral = LlavaConfig(vision_config=dict(model_type="pixtral"))
     with pytest.raises(ValueError, match="'pixtral' is not supported; jstd's towers: clip_vision_model"):
         FAMILIES["llava"].skeleton(pixtral, np.float32)

@@ -22,7 +22,8 @@ def axis_sizes(config, stack: str | None = None) -> dict[str, int]:
     else:
         sizes = {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
                  "qk_head_dim": config.qk_head_dim, "mlp": config.intermediate_size, "layers": config.num_layers}
-    sizes.update({"hidden": config.hidden_size, "embed": config.hidden_size, "vocab": config.vocab_size})
+    sizes.update({"hidden": config.hidden_size, "embed": config.hidden_size, "vocab": config.vocab_size,
+                  "experts": config.num_experts, "top_k": config.experts_per_token})
     if v is not None:
         sizes.update({"vision_hidden": v.hidden_size, "patches": v.positions, "grid": v.num_patches})
     return {k: n for k, n in sizes.items() if n is not None}

@@ -1,16 +1,16 @@
 """The ``jstd`` command: ``demo`` (the embedded induction model), ``inspect`` (a model's sites), ``convert`` and
-``export``, ``generate``, ``collect``."""
+``export``, ``generate``, ``collect``, ``aot`` (compile for a TPU slice or GPUs without one)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from jstd.cli import collect, convert, demo, generate, inspect
+from jstd.cli import aot, collect, convert, demo, generate, inspect
 
 # each module: add_arguments(subparsers) adds its parser(s); command(args) -> exit status
 COMMANDS = {"demo": demo, "inspect": inspect, "convert": convert, "export": convert, "generate": generate,
-            "collect": collect}
+            "collect": collect, "aot": aot}
 
 
 def main(argv=None) -> int:

@@ -57,6 +57,8 @@ def corpus_source(data, column: str) -> tuple[str, Any]:
     ``("texts", iterator of strings)``. Reads the first item of a plain iterable (given back in the iterator);
     TypeError or ValueError for what collect does not take."""
     if isinstance(data, Inputs):
+        if data.tokens is None or np.shape(data.tokens)[0] == 0:
+            raise ValueError("collect got no documents: the jstd.Inputs holds 0 rows of token ids")
         return ("batches" if data.images else "inputs"), data
     if isinstance(data, (str, bytes)):
         raise TypeError("collect takes many documents: a list of strings (wrap one text in a list), a dataset or "
@@ -69,25 +71,32 @@ def corpus_source(data, column: str) -> tuple[str, Any]:
         if column not in names:
             raise ValueError(f"the dataset has no column {column!r}; its columns: {', '.join(names)}; "
                              "pass column=NAME")
-        if hasattr(type(data), "__iter__"):
-            return "texts", (row[column] for row in data)
-        return "texts", iter(data[column])
+        items = (row[column] for row in data) if hasattr(type(data), "__iter__") else iter(data[column])
+        first = next(items, _NONE)
+        if first is _NONE:
+            raise ValueError(f"collect got no documents: the dataset has 0 rows (column {column!r})")
+        if not isinstance(first, str):
+            raise TypeError(f"document 0 (column {column!r}) is a {type(first).__name__}, not a string")
+        return "texts", _chain(first, items)
     if hasattr(data, "keys"):
         raise TypeError("collect takes a tokenizer's output as jstd.Inputs.of(batch)")
     try:
         items = iter(data)
     except TypeError:
         raise TypeError(f"collect takes texts, a dataset or jstd.Inputs, got {type(data).__name__}") from None
-    first = next(items, None)
-    if first is None:
-        raise ValueError("collect got no documents")
+    first = next(items, _NONE)
+    if first is _NONE:
+        raise ValueError("collect got no documents (an empty corpus)")
     rest = _chain(first, items)
     if isinstance(first, Inputs):
         return "batches", rest
     if isinstance(first, str):
         return "texts", rest
-    raise TypeError(f"collect takes strings or jstd.Inputs, got an iterable of {type(first).__name__} "
+    raise TypeError(f"document 0 is a {type(first).__name__}: collect takes strings or jstd.Inputs "
                     "(token ids: pass jstd.Inputs(tokens, attention_mask))")
+
+
+_NONE = object()  # no first item
 
 
 def _chain(first, rest):

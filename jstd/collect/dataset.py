@@ -116,7 +116,7 @@ class ActivationDataset:
                              "or pass partial=True to read the complete shards")
         self.index = index
         self.sites = tuple(index["sites"])
-        self._shards = [memmap_shard(self.folder / s["file"]) for s in index["shards"]]
+        self._shards = [_checked_shard(self.folder, s, self.sites) for s in index["shards"]]
         self._starts = np.cumsum([0] + [s["rows"] for s in index["shards"]])
         self._rows = None
 
@@ -124,21 +124,30 @@ class ActivationDataset:
         return int(self._starts[-1])
 
     def __repr__(self) -> str:
+        if not self._shards:
+            return (f"ActivationDataset({str(self.folder)!r}: 0 rows, no complete shard yet; "
+                    f"sites {', '.join(self.sites)})")
         sites = ", ".join(f"{s} {self.shape(s)}" for s in self.sites)
         return f"ActivationDataset({str(self.folder)!r}: {len(self)} rows; {sites})"
 
     def layout(self, site: str) -> tuple[str, ...]:
         """The axis names of ``site``'s rows, ``tokens`` first (``("tokens", "layers", "hidden")``)."""
-        return tuple(self._site(site)["layout"])
+        return tuple(self._site(site, shaped=False)["layout"])
 
     def shape(self, site: str) -> tuple[int, ...]:
         """``(rows, …)``: the shape of ``site`` over the whole dataset."""
         return (len(self),) + tuple(self._site(site)["shape"])
 
-    def _site(self, site: str) -> dict:
+    def _site(self, site: str, shaped: bool = True) -> dict:
         if site not in self.index["sites"] and site not in ROW_MAP:
             raise KeyError(f"{site!r} was not collected here; sites: {', '.join(self.sites)}")
-        return self.index["sites"].get(site) or {"layout": ["tokens"], "shape": []}
+        entry = self.index["sites"].get(site) or {"layout": ["tokens"], "shape": []}
+        if shaped and entry.get("shape") is None:  # a collection being written, before its first shard
+            why = ("holds no rows (its positions kept none)" if self.index["complete"] else
+                   "has no complete shard yet (it is being written); open it again once jstd.collect has written one")
+            raise ValueError(f"the collection in {self.folder} {why}: the shape of {site!r} is not known "
+                             "(len(ds) is 0)")
+        return entry
 
     @property
     def rows(self) -> RowMap:
@@ -196,14 +205,34 @@ class ActivationDataset:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         names = tuple(self.sites if sites is None else sites) + (tuple(ROW_MAP) if row_map else ())
-        for s in names:
-            self._site(s)
         n = len(self)
+        for s in names:
+            self._site(s, shaped=n > 0)  # no complete shard yet: no rows, no batches
         order = None if key is None else np.asarray(jax.random.permutation(key, n))
         stop = n - n % batch_size if drop_last else n
         for start in range(0, stop, batch_size):
             rows = slice(start, min(start + batch_size, n)) if order is None else order[start:start + batch_size]
             yield {s: self.read(s, rows) for s in names}
+
+
+def _checked_shard(folder: Path, entry: dict, sites: Sequence[str]) -> dict[str, np.ndarray]:
+    """The shard ``entry`` of ``index.json`` memory-mapped, checked to hold every site and the row map with the
+    rows the index lists. ValueError naming the shard when its header is corrupted, a tensor is missing or its
+    rows differ (a shard replaced or cut short: never read silently short)."""
+    path = folder / entry["file"]
+    fix = "the collection is damaged: collect it again into a new folder (or delete this one)"
+    try:
+        tensors = memmap_shard(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"shard {entry['file']} of the collection in {folder} cannot be read ({e}); {fix}") from None
+    for name in (*sites, *ROW_MAP):
+        if name not in tensors:
+            raise ValueError(f"shard {entry['file']} of the collection in {folder} holds no {name!r} tensor; {fix}")
+        rows = tensors[name].shape[0] if tensors[name].ndim else None
+        if rows != entry["rows"]:
+            raise ValueError(f"shard {entry['file']} of the collection in {folder} holds {rows} rows of {name!r}, "
+                             f"but {INDEX} lists {entry['rows']}; {fix}")
+    return tensors
 
 
 def bfloat16_safe(dtype) -> np.dtype:

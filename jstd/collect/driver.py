@@ -88,7 +88,7 @@ def collect(
     layouts = _checked_layouts(model, sites, batch_size, max_length)
     lengths = bucket_lengths(max_length, lengths)
     positions_setting = positions_key(positions)
-    write_dtype = None if dtype is None else str(bfloat16_safe(jnp.dtype(dtype)))
+    write_dtype = None if dtype is None else _floating(dtype)
 
     kind, source = corpus_source(data, column)
     processor = _text_processor(kind, processor, path)
@@ -112,6 +112,19 @@ def collect(
         warnings.warn(f"jstd.collect: {batches.truncated} of {documents} documents were longer than "
                       f"max_length={max_length} tokens and were cut to their first {max_length}", stacklevel=2)
     return ActivationDataset(out)
+
+
+def _floating(dtype) -> str:
+    """``dtype``'s name, checked to be a floating dtype (ValueError: an integer one truncates activations)."""
+    try:
+        d = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"collect: dtype={dtype!r} is not a dtype; pass a floating one (float32, bfloat16, "
+                         "float16) or None for the model's") from None
+    if not jnp.issubdtype(d, jnp.floating):
+        raise ValueError(f"collect: dtype={dtype!r} is not a floating dtype: activations cast to it would be "
+                         "truncated; pass float32, bfloat16 or float16 (or None for the model's)")
+    return str(bfloat16_safe(d))
 
 
 def _as_model(model) -> tuple[object, str | None]:

@@ -19,6 +19,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.collect.batches import PositionFn
+from jstd.collect.fingerprint import function_key
 from jstd.collect.dataset import FORMAT, INDEX, ROW_MAP, VERSION, read_index, write_json
 from jstd.core.edits import as_edits
 from jstd.core.memo import per_model
@@ -106,24 +107,32 @@ class ResumeCheck:
 
 def positions_key(positions: str | PositionFn) -> str:
     """``positions`` as the settings record it: ``"all"``, ``"last"``, or a function's module, name and a digest
-    of its bytecode. ValueError for anything else."""
-    if positions in ("all", "last"):
+    of what it computes (``fingerprint.function_key``: its code, constants, defaults, closure values and the
+    globals it reads). ValueError for anything else, and for a function capturing a value without a
+    fingerprint."""
+    if isinstance(positions, str) and positions in ("all", "last"):
         return positions
     if callable(positions):
-        code = getattr(positions, "__code__", None)
-        digest = hashlib.sha256(code.co_code if code is not None else b"").hexdigest()[:16]
+        digest = function_key(positions, "positions")
         return f"function {getattr(positions, '__module__', '')}.{getattr(positions, '__qualname__', '?')} {digest}"
     raise ValueError(f"positions must be 'all', 'last' or a function (tokens, attention_mask) -> bool mask; "
                      f"got {positions!r}")
 
 
 def edits_key(edits) -> str:
-    """A fingerprint of ``edits`` (as ``jstd.run`` takes them): their structure and every leaf's value."""
-    leaves, treedef = jax.tree.flatten(as_edits(edits))
+    """A fingerprint of ``edits`` (as ``jstd.run`` takes them): their structure, every leaf's value, and what each
+    ``Apply``'s function computes (``fingerprint.function_key``: a closure over another factor is another key).
+    ValueError for a function capturing a value without a fingerprint."""
+    edits = as_edits(edits)
+    leaves, treedef = jax.tree.flatten(edits)
     h = hashlib.sha256(re.sub(r" at 0x[0-9a-f]+", "", str(treedef)).encode())
     for leaf in leaves:
         h.update(np.asarray(leaf).tobytes() if hasattr(leaf, "shape") or isinstance(leaf, (int, float))
                  else repr(leaf).encode())
+    for e in edits:
+        fn = getattr(e, "fn", None)
+        if fn is not None:
+            h.update(function_key(fn, f"the {type(e).__name__} edit at {e.site}").encode())
     return h.hexdigest()[:32]
 
 

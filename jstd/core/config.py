@@ -60,6 +60,9 @@ class ModelConfig:
     vocab_size: int | None = None
     intermediate_size: int | None = None
     layer_types: tuple[str, ...] = ()
+    # a mixture-of-experts text model's router: experts per MoE block, and how many each token takes (else None)
+    num_experts: int | None = None
+    experts_per_token: int | None = None
     vision: VisionConfig | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None

@@ -173,6 +173,13 @@ class Context(eqx.Module):
             own = own & self.real()[:, None, :]
         return jnp.concatenate([seen, own], axis=-1)[:, None]
 
+    def indices(self, cached: int) -> tuple[Int[Array, "batch seq"], Int[Array, "batch keys"]]:
+        """Each token's index and each key's (``cached`` cached positions, then the run's own tokens) in the
+        sequence: what a sliding window counts (``kernels.attention.window_mask``)."""
+        p = jnp.asarray(self.positions)
+        before = jnp.broadcast_to(jnp.arange(cached, dtype=p.dtype), (p.shape[0], cached))
+        return p, jnp.concatenate([before, p], axis=1)
+
 def begin(tokens: Int[Array, "batch seq"], attention_mask, context: Context | None, embed):
     """A forward's start: ``(positions, mask, h)`` — position ids, the attention mask, block 0's (or the
     context's start block's) input. ``embed()`` gives the stream from the tokens; it is not called when

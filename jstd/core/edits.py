@@ -153,6 +153,11 @@ class Edit(eqx.Module):
     def op(self, value: Array) -> Array:
         raise NotImplementedError
 
+    def within(self, value: Array, scope) -> Array:
+        """The edited value at ``scope`` (the tap's ``Scope`` the site is computed in): ``self(value)``. An edit
+        that taps values of its own under the site (a spliced dictionary's ``X.sae.latents``) overrides it."""
+        return self(value)
+
     def arrays(self) -> tuple[str, ...]:
         """The names of the fields holding the edit's own arrays (stackable over blocks)."""
         return tuple(f for f in ("value", "factor", "where") if getattr(self, f, None) is not None)

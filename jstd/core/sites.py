@@ -33,6 +33,9 @@ class Site:
         the shared vocabulary.
     stack: the stack of blocks a block site belongs to (``layers``,
         ``vision.layers``); None for a site computed once per call.
+    parent: for a dictionary's site (``layers.layer_output.sae.latents``),
+        the site the dictionary is spliced at; served wherever the parent is,
+        on calls that splice a dictionary there (``jstd.splice``). None otherwise.
     """
 
     name: str
@@ -42,6 +45,7 @@ class Site:
     editable: bool = True
     family: str | None = None
     stack: str | None = None
+    parent: str | None = None
 
     @property
     def per_block(self) -> bool:
@@ -79,7 +83,7 @@ BLOCK_SITES = [
     ("self_attn.attention_queries", ("batch", "heads", "seq", "qk_head_dim"), "The queries entering attention, after the rotary embedding where the family has one."),
     ("self_attn.attention_keys", ("batch", "kv_heads", "seq", "qk_head_dim"), "The keys entering attention, after the rotary embedding, before the grouped-query repeat."),
     ("self_attn.attention_values", ("batch", "kv_heads", "seq", "head_dim"), "The values entering attention, before the grouped-query repeat."),
-    ("self_attn.attention_scores", ("batch", "heads", "query", "key"), "The attention scores entering the softmax: scaled q·k with the causal and padding mask applied (masked entries hold the dtype's minimum)."),
+    ("self_attn.attention_scores", ("batch", "heads", "query", "key"), "The attention scores entering the softmax: scaled q·k (soft-capped, tanh(s / cap) · cap, where the family caps them: Gemma 2) with the causal, padding and sliding-window mask applied (masked entries hold the dtype's minimum; the key axis spans every key, a window's keys outside it masked)."),
     ("self_attn.attention_probabilities", ("batch", "heads", "query", "key"), "The attention pattern the values are mixed with (softmax of the scores in float32, cast back)."),
     ("self_attn.attention_head_outputs", ("batch", "seq", "heads", "head_dim"), "The per-head outputs of the attention, before the output projection (and before the output gate, where the attention has one: Qwen3.5)."),
     ("self_attn.attention_premix", ("batch", "seq", "heads", "head_dim"), "Every head's output side by side, as the output projection takes it (after the output gate, where the attention has one)."),
@@ -89,6 +93,12 @@ BLOCK_SITES = [
     ("mlp.mlp_activation", ("batch", "seq", "mlp"), "The activation function's output."),
     ("mlp.mlp_neurons", ("batch", "seq", "mlp"), "What the down projection receives: act(gate)·up on a gated MLP, the activation itself otherwise."),
     ("mlp.mlp_output", RESIDUAL, "What the MLP adds to the residual stream."),
+    # a mixture-of-experts MLP (jstd.models.moe): the router, the chosen experts, their outputs, a shared expert
+    ("mlp.router_logits", ("batch", "seq", "experts"), "The router's logits, one per expert (what the softmax and the top-k read; an edit re-routes: -inf at an expert removes it from the top-k)."),
+    ("mlp.router_weights", ("batch", "seq", "top_k"), "The weights of the chosen experts (after the family's renormalisation), in the router's top-k order; derived, read-only (edit router_logits to re-route, expert_outputs to change a contribution).", False),
+    ("mlp.expert_indices", ("batch", "seq", "top_k"), "The chosen experts (integer ids), in the router's top-k order; derived, read-only.", False),
+    ("mlp.expert_outputs", ("batch", "seq", "top_k", "hidden"), "Each chosen expert's output before its router weight, in expert_indices' order (zero one to ablate that expert's contribution; mlp_output = sum of router_weights times expert_outputs, plus shared_expert_output)."),
+    ("mlp.shared_expert_output", RESIDUAL, "The shared expert's output after its sigmoid gate, added to the routed experts' sum (Qwen3.5-MoE)."),
     ("mlp.mlp_raw_output", RESIDUAL, "The MLP's own output (the down projection's), before the post-norm and the residual multiplier that turn it into mlp_output; the post-norm undoes a scaling here (up to its eps), so scale mlp_output instead.", True, "hyperclovax"),
     # the gated DeltaNet mixer (linear attention)
     ("linear_attn.attention_queries", ("batch", "seq", "heads", "key_dim"), "The queries entering the delta rule (after the convolution and its activation, before the kernel's l2 norm)."),
@@ -118,6 +128,7 @@ SITES: dict[str, Site] = {
     for s in [
         # the text model
         _site("token_embeddings", RESIDUAL, "The embedding lookup of the tokens; on most families what enters block 0 (a family that scales embeddings says so)."),
+        _site("position_embeddings", RESIDUAL, "The learned absolute position embeddings of the tokens' positions (GPT-2), added to token_embeddings: token_embeddings + position_embeddings is what enters block 0. With left padding a token's position counts the real tokens before it."),
         _site("final_norm_output", RESIDUAL, "The residual stream after the final norm, what the head reads."),
         _site("lm_head_output", ("batch", "seq", "vocab"), "The head's logits, before anything the family does past the head (a scale, a softcap)."),
         _site("logits", ("batch", "seq", "vocab"), "The logits the model returns, after anything it does past the head."),
@@ -138,6 +149,25 @@ SITES: dict[str, Site] = {
         _site("vision.image_token_mask", ("batch", "seq"), "Which positions are image tokens; read-only.", editable=False),
     ]
 }
+
+# A sparse autoencoder or transcoder spliced at a site (``jstd.splice``) serves three values under it. They are
+# not among a model's ``sites`` (nothing computes them unless a call splices a dictionary there); ``parent`` says
+# where they live. Every text block site of one row per token position may be spliced at.
+SAE_SITES = (
+    ("latents", ("batch", "seq", "sae"), "The dictionary's feature activations at the site it is spliced at (a transcoder's: computed from its input site); editing them changes what the site passes on by the change in the reconstruction."),
+    ("reconstruction", None, "The dictionary's reconstruction of the site's value (a transcoder's: of its output site) from the latents as edited."),
+    ("error", None, "The site's value minus the reconstruction of the unedited latents: what the dictionary misses, added back so an unedited splice passes the value on exactly."),
+)
+
+
+def _sae_sites(parent: Site) -> list[Site]:
+    return [Site(f"{parent.name}.sae.{rel}", f"{parent.name}.sae", layout or parent.layout, meaning, True, parent.family,
+                 parent.stack, parent.name) for rel, layout, meaning in SAE_SITES]
+
+
+SITES.update({s.name: s for parent in list(SITES.values())
+              if parent.stack == "layers" and parent.editable and parent.layout[:2] == ("batch", "seq")
+              and parent.layout[2:] in (("hidden",), ("mlp",)) for s in _sae_sites(parent)})
 
 _INDEXED = re.compile(r"^(?P<prefix>(?:vision\.)?layers)\.(?P<index>-?\d+)\.(?P<rest>.+)$")
 

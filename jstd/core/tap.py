@@ -129,7 +129,7 @@ class Scope:
         if fields:
             names = list(fields)
             edit = eqx.tree_at(lambda e: [getattr(e, n) for n in names], edit, [fields[n] for n in names])
-        new = edit(value)
+        new = edit.within(value, self)
         if edit.layer is not None:
             target = jnp.asarray(edit.layer)
             target = jnp.where(target < 0, target + self.tap.depths[spec.stack], target)

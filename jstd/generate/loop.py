@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from jstd.core.checks import checked
+from jstd.core.checks import checked, is_traced, shown
 from jstd.core.config import ModelConfig
 from jstd.core.edits import as_edits, check_left_padded, site_axes
 from jstd.core.inputs import Inputs, as_inputs, token_array, with_layout
 from jstd.core.jit import combine, partition
 from jstd.core.sites import SITES, SiteError, parse
+from jstd.generate.budget import check_fits, check_max_new_tokens
 from jstd.generate.cache import IMAGE_PREFIXES, decode, prefill, stepper
 from jstd.generate.sampling import Sampling, next_token
 from jstd.models.base import Model
@@ -85,8 +86,10 @@ def generate(
     a row (None: the checkpoint's, ``model.config.eos_token_ids``, which
     ``jstd.load`` reads from its ``generation_config.json`` as transformers'
     ``generate`` does; ``()``: rows never end early). ``pad_token_id``: what
-    follows a row's EOS (None: the checkpoint's with its EOS ids, else the
-    first EOS id).
+    follows a row's EOS (None: the checkpoint's, whether or not
+    ``eos_token_id`` is given, as transformers pads with its generation
+    config's; without one, the first EOS id). Ids passed must be token ids
+    of the vocabulary (the checkpoint's are used as transformers uses them).
 
     Returns a ``Generation``. Each step's logits equal ``jstd.run`` on the
     whole sequence so far (the prompt's mask then ones) with the same edits.
@@ -94,18 +97,20 @@ def generate(
     (``static_argnames``); everything else may be traced, and ``jax.vmap``
     over the edits' arrays (strengths, layers) runs a sweep in one call.
 
-    Raises ValueError for a bad ``max_new_tokens``, a right-padded prompt, a
-    prompt without tokens, sampling without a key; SiteError for reads and
-    edits generation cannot serve (and everything ``jstd.run`` raises).
+    Raises ValueError for a bad ``max_new_tokens`` (one whose preallocated
+    cache and logits do not fit in the devices' free memory: before
+    compiling, with the bytes it needs), a right-padded prompt, a prompt
+    without tokens, sampling without a key, EOS or pad ids outside the
+    vocabulary (a traced one fails the compiled call); SiteError for reads
+    and edits generation cannot serve (and everything ``jstd.run`` raises).
     """
     if not isinstance(model, Model):
         raise TypeError(f"generate takes a model from jstd.load, got {type(model).__name__}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int (static under jit), got {max_new_tokens!r}")
-    max_new_tokens = int(max_new_tokens)
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
     if model.decoder is None:
         raise ValueError(f"a {model.family} model is a vision tower: it has no tokens to generate")
     inputs = _prompt(inputs, attention_mask)
+    check_fits(model, *np.shape(inputs.tokens), max_new_tokens)
     if sampling is not None and not isinstance(sampling, Sampling):
         raise TypeError(f"sampling must be None (greedy) or a jstd.Sampling, got {type(sampling).__name__}")
     if sampling is not None and key is None:
@@ -146,15 +151,39 @@ def _checked_edits(edits: tuple, total: int) -> tuple:
 
 
 def _eos_and_pad(config: ModelConfig, eos_token_id, pad_token_id) -> tuple[Array, Array]:
-    """``(eos ids [ids], pad id)``: the checkpoint's EOS ids (and its pad id, unless given) where ``eos_token_id``
-    is None; the pad id None is the first EOS id (0 without any)."""
-    if eos_token_id is None:
-        eos_token_id = config.eos_token_ids
-        pad_token_id = config.pad_token_id if pad_token_id is None else pad_token_id
-    eos = jnp.asarray(eos_token_id, jnp.int32).reshape(-1)
+    """``(eos ids [ids], pad id)``: ``eos_token_id`` (None: the checkpoint's EOS ids) and ``pad_token_id`` (None:
+    the checkpoint's pad id, whether or not ``eos_token_id`` is given, as transformers takes the generation
+    config's; without one, the first EOS id, 0 without any). The ids given are checked to be token ids of the
+    vocabulary (ValueError when concrete, the compiled call's error when traced); the checkpoint's own are used
+    as transformers uses them (an EOS id past the vocabulary never ends a row)."""
+    given = {"eos_token_id": eos_token_id is not None, "pad_token_id": pad_token_id is not None}
+    eos_token_id = config.eos_token_ids if eos_token_id is None else eos_token_id
+    pad_token_id = config.pad_token_id if pad_token_id is None else pad_token_id
+    eos = _token_ids(eos_token_id, "eos_token_id", given["eos_token_id"], config.vocab_size).reshape(-1)
     if pad_token_id is None:
         return eos, (eos[0] if eos.shape[0] else jnp.asarray(0, jnp.int32))
-    return eos, jnp.asarray(pad_token_id, jnp.int32)
+    return eos, _token_ids(pad_token_id, "pad_token_id", given["pad_token_id"], config.vocab_size)
+
+
+def _token_ids(ids, name: str, given: bool, vocab: int | None) -> Array:
+    """``ids`` as int32; when ``given`` (not the checkpoint's), checked to lie in the vocabulary ``0..vocab - 1``
+    (ValueError naming ``name`` when concrete; the compiled call fails when traced)."""
+    if not given:
+        return jnp.asarray(ids, jnp.int32)
+    where = f"{name}="
+    fix = (f"pass {name}= a token id in 0..{vocab - 1}" + (" (eos_token_id=(): rows never end early)"
+                                                           if name == "eos_token_id" else "")) if vocab else ""
+    traced = is_traced(ids)
+    x = ids if traced else np.asarray(ids)
+    if not traced and x.size == 0:
+        return jnp.asarray(x, jnp.int32)
+    if not traced and x.dtype.kind not in "iu":
+        raise ValueError(f"generate: {where}{ids!r} is not integer token ids; {fix}")
+    if vocab:
+        x = checked(x, lambda xp, i: (i < 0) | (i >= vocab), f"generate: {where}is outside the vocabulary; {fix}",
+                    concrete=lambda v, bad: f"generate: {where}{shown(v[bad])} is outside the vocabulary of "
+                                            f"{vocab} tokens; {fix}")
+    return jnp.asarray(x, jnp.int32)
 
 
 def _check_servable(name: str, what: str) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 from jaxtyping import ArrayLike, Int, PRNGKeyArray
 
 from jstd.core.inputs import Inputs, as_inputs, with_layout
+from jstd.generate.budget import check_fits, check_max_new_tokens
 from jstd.generate.cache import decode, prefill, stepper
 from jstd.generate.sampling import Sampling, next_token
 from jstd.models.base import Model
@@ -22,9 +23,12 @@ def stream(model: Model, inputs: Int[ArrayLike, "batch prompt"] | Inputs, *, max
            eos_token_id: int | Sequence[int] | Int[ArrayLike, "ids"] | None = None) -> Iterator[list[int]]:
     """Yield row 0's new tokens so far (a list of ids) after each step, stopping after an EOS id: the tokens
     ``generate`` gives without edits, one jitted step per call so they can be shown as they come (``eos_token_id``
-    as ``generate``'s: None is the checkpoint's)."""
+    as ``generate``'s: None is the checkpoint's). Raises ``generate``'s ValueError for a bad ``max_new_tokens``
+    (not a positive int, or a cache that cannot fit)."""
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
     inputs = with_layout(as_inputs(inputs))
     prompt = np.shape(inputs.tokens)[1]
+    check_fits(model, np.shape(inputs.tokens)[0], prompt, max_new_tokens)
     eos_token_id = model.config.eos_token_ids if eos_token_id is None else eos_token_id
     eos = set(np.asarray(eos_token_id, np.int64).reshape(-1).tolist())
     key = jax.random.key(0) if key is None else key

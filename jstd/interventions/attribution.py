@@ -14,6 +14,7 @@ parts sum to the logit (difference) the model returns, up to float rounding.
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import equinox as eqx
@@ -44,7 +45,10 @@ class LogitAttribution(eqx.Module):
     heads: each head's share of ``attention`` (its head output through its
         slice of o_proj; the o_proj bias, when there is one, is in ``attention``
         but in no head), None when not asked for.
-    logit: the model's own logit (difference) at the position.
+    logit: the model's own logit (difference) at the position; with a final
+        soft-cap (Gemma 2), the logit *before* the cap: what the parts decompose.
+    final_norm_bias: a final LayerNorm's bias through the head (GPT-2, GPT-NeoX: the norm centres each part and
+        adds its bias once, a term of no part); None after an RMSNorm.
     """
 
     embeddings: Float[Array, "batch"]
@@ -52,10 +56,15 @@ class LogitAttribution(eqx.Module):
     mlp: Float[Array, "layers batch"]
     heads: Float[Array, "layers batch heads"] | None
     logit: Float[Array, "batch"]
+    final_norm_bias: Float[Array, "batch"] | None = None
+    # False when the model soft-caps its logits (tanh(x / cap) · cap is not linear): the parts then sum to the
+    # logit before the cap, not to the logits the model returns
+    exact: bool = eqx.field(static=True, default=True)
 
     def total(self) -> Float[Array, "batch"]:
-        """The sum of the parts, equal to ``logit`` up to float rounding."""
-        return self.embeddings + self.attention.sum(0) + self.mlp.sum(0)
+        """The sum of the parts (and of ``final_norm_bias``), equal to ``logit`` up to float rounding."""
+        parts = self.embeddings + self.attention.sum(0) + self.mlp.sum(0)
+        return parts if self.final_norm_bias is None else parts + self.final_norm_bias
 
 
 def _mixer_sites(model) -> tuple[str, ...]:
@@ -99,7 +108,10 @@ def direct_logit_attribution(
     ``readout(w · c · s)``, where ``w`` is the final norm's weight, ``s =
     1/sqrt(mean(x²) + eps)`` the final norm's scale frozen at ``x``, and
     ``readout`` the head (and the family's linear scaling after it). The parts
-    sum to the logit (difference) exactly up to float rounding.
+    sum to the logit (difference) exactly up to float rounding. On a model that
+    soft-caps its logits (Gemma 2's ``final_logit_softcapping``) the cap is not
+    linear: the decomposition is of the logits before the cap (``logit`` is
+    that logit difference, ``exact`` is False) and a UserWarning says so.
 
     ``heads`` splits each block's attention into its heads, exact where the
     block adds o_proj's output itself (Llama; HyperCLOVA X without post-norms,
@@ -125,17 +137,29 @@ def direct_logit_attribution(
     if position < 0:
         inputs = Inputs(inputs.tokens, check_left_padded(inputs.attention_mask, f"{who} (position={position})"),
                         inputs.images, inputs.layout)
-    reads = STREAM + _mixer_sites(model) + ((HEAD_OUTPUTS,) if heads else ())
+    capped = getattr(model.decoder, "logit_softcap", None) is not None
+    if capped:
+        warnings.warn(f"direct_logit_attribution: this {model.family} model soft-caps its logits "
+                      f"(tanh(x / {model.decoder.logit_softcap}) · cap), which is not linear; the attribution is of "
+                      "the logits before the cap (LogitAttribution.exact is False)", UserWarning, stacklevel=2)
+    reads = STREAM + _mixer_sites(model) + ((HEAD_OUTPUTS,) if heads else ()) + (("final_norm_output",) if capped else ())
     out = read(model, inputs, reads, edits)
-    return _dla(model, out, target, other, position, heads)
+    return _dla(model, out, target, other, position, heads, capped)
 
 
 @eqx.filter_jit
-def _dla(model, out, target, other, position, heads):
+def _dla(model, out, target, other, position, heads, capped=False):
     final_norm, logits_from_norm = model.readout()
     at = lambda name: out[name][:, :, position].astype(jnp.float32)  # [layers, batch, hidden]
     x = at("layers.layer_output")[-1]  # the final residual stream, [batch, hidden]
-    scale = jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + final_norm.eps)  # frozen, [batch, 1]
+    layer_norm = getattr(final_norm, "bias", None) is not None  # a LayerNorm: centred, then a bias
+    if layer_norm:
+        centered = x - jnp.mean(x, -1, keepdims=True)
+        scale = jax.lax.rsqrt(jnp.mean(centered * centered, -1, keepdims=True) + final_norm.eps)  # frozen
+        weight = final_norm.weight.astype(jnp.float32)
+    else:
+        scale = jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + final_norm.eps)  # frozen, [batch, 1]
+        weight = final_norm.effective_weight
     batch = x.shape[0]
 
     # the readout direction: the gradient of the (linear) head's logit difference, one per row
@@ -144,9 +168,14 @@ def _dla(model, out, target, other, position, heads):
         pick = lambda ids: jnp.take_along_axis(logits, jnp.broadcast_to(ids, (batch,))[:, None], -1)[:, 0]
         return jnp.sum(pick(target) - (0.0 if other is None else pick(other)))
 
-    direction = jax.grad(readout)(jnp.zeros_like(x)) * final_norm.effective_weight * scale  # [batch, hidden]
+    gradient = jax.grad(readout)(jnp.zeros_like(x))  # [batch, hidden]
+    direction = gradient * weight * scale
+    if layer_norm:  # centring is linear and symmetric: <c - mean(c), d> = <c, d - mean(d)>
+        direction = direction - jnp.mean(direction, -1, keepdims=True)
     dot = lambda c: jnp.einsum("...bh,bh->...b", c, direction)
     logits = out.logits[:, position].astype(jnp.float32)
+    if capped:  # the logits before the cap, as the model computes them
+        logits = logits_from_norm(out["final_norm_output"][:, position]).astype(jnp.float32)
     pick = lambda ids: jnp.take_along_axis(logits, jnp.broadcast_to(ids, (batch,))[:, None], -1)[:, 0]
     logit = pick(target) - (0.0 if other is None else pick(other))
 
@@ -166,6 +195,8 @@ def _dla(model, out, target, other, position, heads):
         mlp=dot(at("layers.mlp.mlp_output")),
         heads=per_head,
         logit=logit,
+        final_norm_bias=jnp.sum(gradient * final_norm.bias.astype(jnp.float32), -1) if layer_norm else None,
+        exact=not capped,
     )
 
 

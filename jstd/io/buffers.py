@@ -61,8 +61,9 @@ def fill(files: SafetensorsFiles, entry, keys: list[str], slot: np.ndarray, scra
             f"tensor {name!r} in {files.where(keys[0])} has shape {' + '.join(map(str, shapes))}, "
             f"which maps to {mapped.shape}; the config implies {slot.shape} for {entry.path}"
         )
+    # (the whole tensor, in order: a slice that starts at the stored bytes, a fused tensor's first part, is not)
     direct = (dtype == slot.dtype and mapped.dtype == dtype and mapped.flags.c_contiguous
-              and mapped.ctypes.data == probe.ctypes.data)
+              and mapped.ctypes.data == probe.ctypes.data and mapped.size == probe.size)
     del probe, mapped
     raw = slot if direct else scratch.get(stored, dtype)
     flat, start = raw.reshape(-1), 0

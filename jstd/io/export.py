@@ -20,10 +20,10 @@ from jstd.families import family_for
 from jstd.io.hf import hf_config, stored_names
 from jstd.io.safetensors import SafetensorsFiles, Writer, nbytes
 from jstd.io.source import Source
-from jstd.io.stacked import copy_side_files
+from jstd.io.stacked import IGNORED, copy_side_files, is_converted
 from jstd.core.progress import Progress
 from jstd.io.staging import Staging, check_destination
-from jstd.models.namemap import at_path
+from jstd.models.namemap import at_path, spelled
 
 
 def export(model, dst, *, force: bool = False, files_from=None, progress: bool = False) -> Path:
@@ -39,7 +39,9 @@ def export(model, dst, *, force: bool = False, files_from=None, progress: bool =
     ``dst`` when complete.
 
     Raises ValueError when the model carries no ``source`` (it was not loaded from a checkpoint), when ``dst`` is
-    a non-empty folder and ``force`` is False, or when a transform is not a pure re-layout.
+    the folder the model was loaded from or ``files_from``, inside one or contains one (with or without
+    ``force``: export never writes into or over what it reads, as ``convert``), when ``dst`` is a non-empty folder
+    and ``force`` is False, or when a transform is not a pure re-layout.
     """
 
     source = getattr(model, "source", None)
@@ -47,7 +49,8 @@ def export(model, dst, *, force: bool = False, files_from=None, progress: bool =
         raise ValueError("jstd.export: this model has no record of the checkpoint layout it came from "
                          "(model.source is None: it was not made by jstd.load); load it with jstd.load, edit it "
                          "with eqx.tree_at (which keeps model.source), then export")
-    dst = check_destination(Path(files_from) if files_from else None, Path(dst), force, "export")
+    # never into, over or around a folder it reads from, with or without force
+    dst = [check_destination(folder, Path(dst), force, "export") for folder in _source_folders(source, files_from)][0]
     dtypes = {np.dtype(x.dtype).name for x in jax.tree.leaves(model)}
     config = json.loads(source.config)
     if len(dtypes) == 1:
@@ -71,6 +74,18 @@ def export(model, dst, *, force: bool = False, files_from=None, progress: bool =
     return dst
 
 
+def _source_folders(source: Source, files_from) -> list[Path | None]:
+    """The folders export reads from: the checkpoint the model was loaded from (a converted checkpoint's own
+    folder, not its ``hf-ignored`` subfolder) and ``files_from``; ``[None]`` when there are none."""
+    folders = []
+    if source.folder is not None:
+        folder = Path(source.folder)
+        folders.append(folder.parent if folder.name == IGNORED and is_converted(folder.parent) else folder)
+    if files_from:
+        folders.append(Path(files_from))
+    return folders or [None]
+
+
 def _groups(hf, source: Source) -> dict[tuple[str, ...], list]:
     """The family's name map inverted: each tuple of stored tensors written together (one, or the parts one
     parameter is split from) -> the ``(entry, block row or None)`` that fill it. ValueError when ``source`` does
@@ -78,8 +93,8 @@ def _groups(hf, source: Source) -> dict[tuple[str, ...], list]:
     family = family_for(hf.model_type)
     skeleton = family.skeleton(hf, np.float32)
     stored = stored_names(family.stored_prefixes(hf), source.tensors.keys())
-    entries = [dataclasses.replace(e, key=stored(e.key) if isinstance(e.key, str) else tuple(map(stored, e.key)))
-               for e in family.name_map(hf, skeleton) if at_path(skeleton, e.path) is not None]
+    entries = spelled([e for e in family.name_map(hf, skeleton) if at_path(skeleton, e.path) is not None], stored,
+                      source.tensors.keys())
     groups: dict[tuple[str, ...], list] = {}
     for e in entries:
         for row, i in (enumerate(e.blocks) if e.stacked else [(None, 0)]):

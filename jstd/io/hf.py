@@ -18,7 +18,7 @@ from jstd.families import family_for
 from jstd.io.hub import resolve
 from jstd.io.safetensors import CheckpointError, SafetensorsFiles
 from jstd.models.base import with_fields
-from jstd.models.namemap import at_path
+from jstd.models.namemap import at_path, spelled
 
 # Config keys no forward reads, whatever the family: bookkeeping, token ids (the tokenizer's and generation's
 # business) and training-only numbers (initialization, caching; any key naming a dropout). transformers' base
@@ -137,8 +137,40 @@ def plan(folder: Path, dtype) -> tuple:
     dtype = param_dtype(dtype, hf)
     warn_unhandled(hf, family, folder)
     files = SafetensorsFiles(folder)
+    hf = untied_if_stored_apart(folder, hf, family, files)
     skeleton = family.skeleton(hf, dtype)
     return hf, family, dtype, files, skeleton, mapped_entries(folder, hf, family, skeleton, files)
+
+
+def untied_if_stored_apart(folder: Path, hf, family, files: SafetensorsFiles):
+    """``hf`` as transformers 5 loads it: a config with ``tie_word_embeddings`` whose checkpoint stores an output
+    head that differs from the embedding keeps that head (untied, a ``ConfigWarning`` saying so), as
+    ``PreTrainedModel.tie_weights`` does; else ``hf`` itself (a stored head equal to the embedding is the
+    embedding)."""
+    if not getattr(hf, "tie_word_embeddings", False):
+        return hf
+    import copy
+
+    untied = copy.copy(hf)
+    untied.tie_word_embeddings = False
+    skeleton = family.skeleton(untied, jnp.float32)
+    stored = stored_names(family.stored_prefixes(untied), files.keys())
+    keys = {e.path: stored(e.key) for e in family.name_map(untied, skeleton) if isinstance(e.key, str)}
+    head, embed = (next((keys[p] for p in paths if p in keys), None)
+                   for paths in (("lm_head", "text.lm_head"), ("embed", "text.embed")))
+    if head is None or embed is None or head not in files.keys() or embed not in files.keys():
+        return hf
+    if files.shape(head) == files.shape(embed) and files.dtype(head) == files.dtype(embed):
+        a, b = (np.empty(files.shape(k), files.dtype(k)) for k in (head, embed))
+        files.read_into(head, a)
+        files.read_into(embed, b)
+        if np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+            return hf
+    warnings.warn(f"{folder.name}: config.json ties the output head to the embedding (tie_word_embeddings), but the "
+                  f"checkpoint stores {head!r} with other values than {embed!r}; jstd keeps the stored head, as "
+                  "transformers does (it does not tie them): set tie_word_embeddings=false in config.json to "
+                  "silence this warning", ConfigWarning, stacklevel=3)
+    return untied
 
 
 def mapped_entries(folder: Path, hf, family, skeleton, files: SafetensorsFiles) -> list:
@@ -146,8 +178,8 @@ def mapped_entries(folder: Path, hf, family, skeleton, files: SafetensorsFiles) 
     CheckpointError naming a tensor the map expects that ``files`` lacks, or one it has that no entry reads and the
     family does not knowingly ignore."""
     stored = stored_names(family.stored_prefixes(hf), files.keys())
-    entries = [dataclasses.replace(e, key=stored(e.key) if isinstance(e.key, str) else tuple(map(stored, e.key)))
-               for e in family.name_map(hf, skeleton) if at_path(skeleton, e.path) is not None]
+    entries = spelled([e for e in family.name_map(hf, skeleton) if at_path(skeleton, e.path) is not None], stored,
+                      files.keys())
     expected = {k.format(i=i) for e in entries for k in e.keys for i in (e.blocks if e.stacked else [0])}
     missing = sorted(expected - files.keys())
     if missing:

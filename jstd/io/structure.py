@@ -54,7 +54,8 @@ def encode_structure(tree) -> object:
 def decode_structure(data, dtype: Callable[[str], np.dtype] = np.dtype):
     """The skeleton ``encode_structure`` wrote. Only jstd's own dataclasses are built (without running any of
     their code: fields are set one by one); ``dtype(stored name)`` gives each parameter's dtype. ValueError for
-    anything this jstd does not know (a class renamed or a field added since the checkpoint was written)."""
+    anything this jstd does not know (a class renamed, a field removed, or a field added since the checkpoint was
+    written without a default; an added field with a default takes it)."""
     if isinstance(data, list):
         return [decode_structure(x, dtype) for x in data]
     if not isinstance(data, dict):
@@ -73,12 +74,17 @@ def decode_structure(data, dtype: Callable[[str], np.dtype] = np.dtype):
         cls = getattr(cls, part)
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise ValueError(f"{module}:{qualname} is not a jstd dataclass")
-    fields = {f.name for f in dataclasses.fields(cls)} - {"source"}
-    if set(data["fields"]) != fields:
-        raise ValueError(f"{qualname} has fields {sorted(fields)}, the checkpoint {sorted(data['fields'])}")
+    known = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    stored = set(data["fields"])
+    # a field added since the checkpoint was written takes its default (what every model of that time had)
+    added = {n: f for n, f in known.items() if n not in stored and f.default is not dataclasses.MISSING}
+    if stored != set(known) - set(added):
+        raise ValueError(f"{qualname} has fields {sorted(known)}, the checkpoint {sorted(stored)}")
     obj = cls.__new__(cls)
     for name, value in data["fields"].items():
         object.__setattr__(obj, name, decode_structure(value, dtype))
+    for name, f in added.items():
+        object.__setattr__(obj, name, f.default)
     if "source" in {f.name for f in dataclasses.fields(cls)}:
         object.__setattr__(obj, "source", None)
     return obj

@@ -5,6 +5,11 @@ Layouts: queries [batch, heads, seq, dim], keys and values
 reads key/value head h // (heads // kv_heads)), outputs [batch, seq, heads, dim].
 Both paths compute the same function; the explicit one materializes the scores
 and the probabilities so that they can be read and edited.
+
+A sliding window (``window_mask``) is one more mask: a query at index ``i``
+attends keys at indices ``i - window + 1 .. i`` (transformers' sliding-window
+mask and sliding cache). Soft-capped scores (``softcap``: Gemma 2) are
+``tanh(s / cap) · cap`` of the scaled scores, before the mask.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
+
+from jstd.kernels.softcap import softcap as capped
 
 
 def positions_and_mask(
@@ -33,16 +40,28 @@ def positions_and_mask(
     return positions, causal & real[:, None, None, :]
 
 
+def window_mask(
+    query_index: Int[Array, "batch q"], key_index: Int[Array, "batch k"], window: int
+) -> Bool[Array, "batch 1 q k"]:
+    """True where a key is inside a query's sliding window: ``key_index > query_index - window``.
+
+    Indices count every position of the sequence, padding included (as transformers' cache positions), so
+    with left padding a row's real tokens see the same keys as the row unpadded; combine with the causal and
+    padding mask (``&``)."""
+    return (key_index[:, None, :] > query_index[:, :, None] - window)[:, None]
+
+
 def scores(
     q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], scale: float,
-    mask: Bool[Array, "batch 1 q k"] | None,
+    mask: Bool[Array, "batch 1 q k"] | None, softcap: float | None = None,
 ) -> Float[Array, "batch heads q k"]:
-    """scale · q·kᵀ, masked entries set to the dtype's minimum (as transformers' eager attention); ``mask``
-    None attends everywhere (a vision tower)."""
+    """scale · q·kᵀ (soft-capped by ``softcap``: ``tanh(s / cap) · cap``), masked entries set to the dtype's
+    minimum (as transformers' eager attention); ``mask`` None attends everywhere (a vision tower)."""
     b, h, t, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, h // kv, t, d)
     s = jnp.einsum("bkgqd,bksd->bkgqs", qg, k).reshape(b, h, t, k.shape[2]) * jnp.asarray(scale, q.dtype)
+    s = capped(s, softcap)
     return s if mask is None else jnp.where(mask, s, jnp.finfo(s.dtype).min)
 
 
@@ -61,8 +80,11 @@ def mix(p: Float[Array, "batch heads q k"], v: Float[Array, "batch kv_heads k di
 
 def fused(
     q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], v: Float[Array, "batch kv_heads k dim"],
-    scale: float, mask: Bool[Array, "batch 1 q k"] | None,
+    scale: float, mask: Bool[Array, "batch 1 q k"] | None, softcap: float | None = None,
 ) -> Float[Array, "batch q heads dim"]:
-    """The same function through ``jax.nn.dot_product_attention`` (cuDNN/flash where available)."""
+    """The same function through ``jax.nn.dot_product_attention`` (cuDNN/flash where available); with a
+    ``softcap`` (which that kernel has no place for) the explicit computation, unmaterialized."""
+    if softcap is not None:
+        return mix(probabilities(scores(q, k, scale, mask, softcap)), v)
     t = lambda x: jnp.swapaxes(x, 1, 2)
     return jax.nn.dot_product_attention(t(q), t(k), t(v), mask=mask, scale=scale)

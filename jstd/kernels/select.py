@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import os
 
-import jax
 from jaxtyping import Array, Float
 
 from jstd.kernels import gated_delta as _gd
+from jstd.kernels.platform import platform
 
 __all__ = ["ENV_VAR", "KERNELS", "gated_delta_rule", "select_gated_delta_kernel"]
 
@@ -56,7 +56,8 @@ def select_gated_delta_kernel(
     ``kernel`` (else the ``JSTD_GATED_DELTA_KERNEL`` environment variable), when given and
     not ``"auto"``, is returned as is after validation (``ValueError`` for an unknown name).
     Otherwise: ``"recurrent"`` if ``seq_len == 1``; ``"pallas"`` if ``backend`` (default
-    ``jax.default_backend()``) is a GPU or TPU backend and ``key_dim`` and ``value_dim``
+    ``jax.default_backend()``, or the platform of an enclosing
+    ``jstd.kernels.platform.compiling_for``) is a GPU or TPU backend and ``key_dim`` and ``value_dim``
     are powers of two >= 16; ``"chunk"`` otherwise.
     """
     name = kernel if kernel is not None else os.environ.get(ENV_VAR, "auto")
@@ -66,7 +67,7 @@ def select_gated_delta_kernel(
         return name
     if seq_len == 1:
         return "recurrent"
-    backend = jax.default_backend() if backend is None else backend
+    backend = platform() if backend is None else backend  # the default backend, or a deviceless compile's target
     if backend in _ACCELERATORS and _tileable(key_dim) and _tileable(value_dim):
         return "pallas"
     return "chunk"

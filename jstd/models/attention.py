@@ -46,6 +46,15 @@ class Attention(eqx.Module):
     head_dim]`` of earlier positions (``jstd.Context``); the keys attended are
     then the cached ones followed by the tokens' own, on the ``mask``'s key
     axis and on the scores' and probabilities'.
+
+    ``sliding_window`` (static; None: full attention): a query at index ``i``
+    attends only keys at ``i - sliding_window + 1 .. i``. The mask the caller
+    gives holds the window (``CausalLM`` builds one mask per block kind from
+    it, with ``kernels.attention.window_mask``), so scores and probabilities
+    still span the whole key axis, the keys outside the window masked.
+    ``softcap`` (static; None: none): scores are ``tanh(s / cap) · cap`` of the
+    scaled ``q·kᵀ`` (Gemma 2's ``attn_logit_softcapping``);
+    ``attention_scores`` is the value after the cap (and the mask).
     """
 
     q: Float[Array, "embed heads head_dim"] = param("embed", "heads", "head_dim")
@@ -59,6 +68,8 @@ class Attention(eqx.Module):
     scale: float = eqx.field(static=True)
     q_norm: RMSNorm | None = None
     k_norm: RMSNorm | None = None
+    sliding_window: int | None = eqx.field(static=True, default=None)
+    softcap: float | None = eqx.field(static=True, default=None)
 
     host: ClassVar[str] = "self_attn"
     sites: ClassVar[tuple[str, ...]] = (
@@ -102,11 +113,11 @@ class Attention(eqx.Module):
         if past is not None:
             k, v = (jnp.concatenate([cached.astype(own.dtype), own], axis=2) for cached, own in zip(past, (k, v)))
         if s.touches("self_attn.attention_scores", "self_attn.attention_probabilities"):
-            scores = s("self_attn.attention_scores", attn_kernels.scores(q, k, self.scale, mask))
+            scores = s("self_attn.attention_scores", attn_kernels.scores(q, k, self.scale, mask, self.softcap))
             probs = s("self_attn.attention_probabilities", attn_kernels.probabilities(scores))
             heads = attn_kernels.mix(probs, v)
         else:
-            heads = attn_kernels.fused(q, k, v, self.scale, mask)
+            heads = attn_kernels.fused(q, k, v, self.scale, mask, self.softcap)
         heads = s("self_attn.attention_head_outputs", heads)
         heads = s("self_attn.attention_premix", self.gated(heads, x))
         return add_bias(flat_product(heads, self.o, 2), self.o_bias)
@@ -125,8 +136,10 @@ class Attention(eqx.Module):
 
     @classmethod
     def skeleton(cls, embed, heads, kv_heads, head_dim, scale, bias: bool, o_bias: bool, dtype,
-                 qk_norm_eps: float | None = None) -> "Attention":
-        """``qk_norm_eps``: give the attention OLMo's whole-projection q_norm / k_norm with this eps."""
+                 qk_norm_eps: float | None = None, sliding_window: int | None = None,
+                 softcap: float | None = None) -> "Attention":
+        """``qk_norm_eps``: give the attention OLMo's whole-projection q_norm / k_norm with this eps;
+        ``sliding_window``, ``softcap``: the fields (None: full attention, no cap)."""
         b = lambda *d: shape(*d, dtype=dtype) if bias else None
         norm = lambda n: None if qk_norm_eps is None else RMSNorm.skeleton(n * head_dim, qk_norm_eps, dtype, True)
         return cls(
@@ -134,4 +147,5 @@ class Attention(eqx.Module):
             shape(embed, kv_heads, head_dim, dtype=dtype), shape(heads, head_dim, embed, dtype=dtype),
             b(heads, head_dim), b(kv_heads, head_dim), b(kv_heads, head_dim),
             shape(embed, dtype=dtype) if o_bias else None, scale, norm(heads), norm(kv_heads),
+            None if sliding_window is None else int(sliding_window), None if softcap is None else float(softcap),
         )

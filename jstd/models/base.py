@@ -19,12 +19,17 @@ from jstd.core.sites import SITES, SiteError
 DATA, MODEL = "data", "model"  # the mesh axes of jstd.sharding's rules: rows of the batch, tensor parallelism
 
 
+# every logical axis name a parameter of some jstd module declares (``param``): what a sharding rule may name
+LOGICAL_NAMES: set[str] = {"layers"}
+
+
 def param(*axes: str):
     """A parameter field whose array carries logical axis names (for sharding rules).
 
     The names are the array's axes in order; blocks stacked for the scan get a
-    leading ``layers`` axis (see ``logical_axes``).
+    leading ``layers`` axis (see ``logical_axes``). Each name joins ``LOGICAL_NAMES``.
     """
+    LOGICAL_NAMES.update(axes)
     return eqx.field(metadata={"axes": tuple(axes)})
 
 
@@ -110,7 +115,9 @@ class Model(eqx.Module):
         return self.stacks[stack].depth
 
     def blocks_for(self, site: str) -> tuple[int, ...]:
-        """The blocks that compute the block site ``site`` (whole name, no index), in order."""
+        """The blocks that compute the block site ``site`` (whole name, no index), in order (a dictionary's site,
+        ``X.sae.latents``: the blocks that compute X)."""
+        site = SITES[site].parent or site
         stack = self.stacks.get(SITES[site].stack)
         return () if stack is None else stack.blocks_for(site)
 
@@ -181,6 +188,11 @@ class Model(eqx.Module):
             host = spec.host[len(spec.stack) + 1:]
             if not self.layers_with(host, spec.stack):
                 return f"{self.family} blocks have no {host}"
+        if spec.stack in self.stacks:  # a block whose shape is the reason (a parallel residual's layer_mid)
+            for slot in getattr(self.stacks[spec.stack], "slots", ()):
+                why = getattr(slot, "unavailable", lambda rel: None)(spec.relative)
+                if why:
+                    return f"{self.family} {why}"
         root = site.split(".")[0]
         if root in ("vision", "projector") and "vision.layers" not in self.stacks:
             return f"{self.family} is a text model: it has no vision tower or projector"

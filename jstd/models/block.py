@@ -16,6 +16,7 @@ from jaxtyping import Array, Float
 from jstd.core.tap import Taps
 from jstd.kernels.rounding import rounded, times
 from jstd.models.mlp import MLP, GatedMLP
+from jstd.models.moe import MoEMLP
 from jstd.models.namemap import Entry
 from jstd.models.norms import LayerNorm, RMSNorm
 
@@ -50,16 +51,24 @@ class Block(eqx.Module):
     multiplier (HyperCLOVA X's ``attention_raw_output`` / ``mlp_raw_output``).
     An edit at ``mlp_input`` reaches the MLP only; edit ``layer_mid`` to change
     the stream too.
+
+    ``parallel`` (GPT-NeoX / Pythia's ``use_parallel_residual``): the attention
+    and the MLP both read the block input, ``mlp_norm_output`` is the MLP's norm
+    of ``layer_input``, and ``out = (mlp_output + attention_output) + x`` (torch's
+    order); there is no stream between the two adds, so no ``layer_mid``
+    (``unavailable`` says why) and an edit at ``attention_output`` does not reach
+    the block's own MLP.
     """
 
     attention_norm: RMSNorm | LayerNorm | None
     attn: eqx.Module
     attention_post_norm: RMSNorm | None
     mlp_norm: RMSNorm | LayerNorm | None
-    mlp: GatedMLP | MLP
+    mlp: GatedMLP | MLP | MoEMLP
     mlp_post_norm: RMSNorm | None
     residual_multiplier: float = eqx.field(static=True, default=1.0)
     raw_outputs: bool = eqx.field(static=True, default=False)
+    parallel: bool = eqx.field(static=True, default=False)
 
     def has(self, host: str) -> bool:
         """Whether the block has ``host`` (``self_attn``, ``linear_attn``, ``mlp``; ``""``: the block itself)."""
@@ -73,7 +82,16 @@ class Block(eqx.Module):
         rel |= {"mlp_norm_output"} if self.mlp_norm is not None else set()
         rel |= {f"{host}.{x}" for x in self.attn.sites} | {f"mlp.{x}" for x in self.mlp.sites}
         rel |= {RAW_OUTPUT[host], RAW_OUTPUT["mlp"]} if self.raw_outputs else set()
-        return frozenset(rel)
+        return frozenset(rel - {"layer_mid"} if self.parallel else rel)
+
+    def unavailable(self, rel: str) -> str | None:
+        """Why the block does not compute the relative site ``rel``, where its shape is the reason (None
+        otherwise)."""
+        if self.parallel and rel == "layer_mid":
+            return ("blocks are parallel residual blocks (use_parallel_residual): attention and MLP both read "
+                    "layer_input and layer_output = layer_input + attention_output + mlp_output, so no stream lies "
+                    "between the two adds; read layer_input, or layer_input + attention_output yourself")
+        return None
 
     def contribution(self, host: str, y, norm, s: Taps):
         """What the block adds from a sublayer's own output ``y``: post-norm, multiplier, rounded."""
@@ -96,11 +114,11 @@ class Block(eqx.Module):
         normed = x if self.attention_norm is None else s("attention_norm_output", self.attention_norm(x))
         a = self.attn(normed, args, s, past)
         a = s(f"{host}.attention_output", self.contribution(host, a, self.attention_post_norm, s))
-        mid = s("layer_mid", x + a)
+        mid = x if self.parallel else s("layer_mid", x + a)  # parallel: the MLP reads the block input too
         m_in = mid if self.mlp_norm is None else s("mlp_norm_output", self.mlp_norm(mid))
         m_in = s("mlp_input", m_in)
         m = s("mlp.mlp_output", self.contribution("mlp", self.mlp(m_in, s), self.mlp_post_norm, s))
-        return s("layer_output", mid + m)
+        return s("layer_output", (m + a) + x if self.parallel else mid + m)
 
     def entries(self, names: dict) -> list[Entry]:
         """The block's name map: each part's fragment under the family's module name for it (``names``:

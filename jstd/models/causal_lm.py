@@ -3,6 +3,13 @@
     x      = embed[tokens] · embedding_multiplier           # token_embeddings before the multiplier
     h      = layers(x)                                       # the Stack, scanned by period
     logits = lm_head(final_norm(h)) · logits_scaling         # lm_head_output before the scaling
+    logits = tanh(logits / cap) · cap                        # final_logit_softcapping (Gemma 2), when set
+
+Blocks of different kinds (``config.layer_types``) may attend differently:
+a block whose ``Attention`` has a ``sliding_window`` gets the causal mask
+narrowed to its window, and a kind may have its own rotary (``kind_rotary``:
+Gemma 3's local layers), so the stack receives the attention's arguments by
+block kind where they differ (``attention_args``).
 
 A family declares its blocks (``TextFamily.block``), its checkpoint's module
 names (``TextFamily.names``) and the few numbers that differ (multipliers, the
@@ -20,7 +27,9 @@ from jaxtyping import Array, Float
 from jstd.core.config import ModelConfig
 from jstd.core.context import begin
 from jstd.models.namemap import Entry, linear
+from jstd.kernels.attention import window_mask
 from jstd.kernels.rope import Rotary
+from jstd.kernels.softcap import softcap
 from jstd.kernels.rope_config import rotary_from_config
 from jstd.kernels.rounding import rounded, times
 from jstd.models.base import Family, Model, param, shape
@@ -44,6 +53,8 @@ class CausalLM(Model):
     embedding_multiplier: float = eqx.field(static=True, default=1.0)
     logits_scaling: float = eqx.field(static=True, default=1.0)
     rotary_in_float32: bool = eqx.field(static=True, default=False)  # OLMo's rotary returns float32 cos/sin
+    final_logit_softcapping: float | None = eqx.field(static=True, default=None)
+    kind_rotary: tuple[tuple[str, Rotary | None], ...] = eqx.field(static=True, default=())  # block kind -> rotary
 
     model_sites: ClassVar[frozenset[str]] = TEXT_MODEL_SITES
 
@@ -87,25 +98,76 @@ class CausalLM(Model):
             raise ValueError(f"this {self.family} model is a text model and takes no images; drop them from the inputs")
 
     # ---- the forward -------------------------------------------------------
+    def lookup(self, tokens) -> Float[Array, "batch seq embed"]:
+        """The embedding module's output (``token_embeddings``): the rows of ``embed`` (Gemma's scales them)."""
+        return self.embed[tokens]
+
     def enter_blocks(self, embeddings):
         """What block 0 reads, from the token embeddings (times the embedding multiplier, rounded once)."""
         return embeddings if self.embedding_multiplier == 1.0 else rounded(times(embeddings, self.embedding_multiplier))
 
+    def enter_positions(self, h: Float[Array, "batch seq embed"], positions, s) -> Float[Array, "batch seq embed"]:
+        """Block 0's input from the embedded stream ``h`` and the tokens' ``positions``: ``h`` itself here (a rotary
+        turns positions inside attention); learned absolute positions add their rows (GPT-2)."""
+        return h
+
     def head(self, normed: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
         return normed @ (self.embed.T if self.lm_head is None else self.lm_head)
 
-    def finish_logits(self, head_output: Float[Array, "... vocab"]) -> Float[Array, "... vocab"]:
-        """The logits from the head's output (times ``logits_scaling``; the identity at 1)."""
+    def scaled_logits(self, head_output: Float[Array, "... vocab"]) -> Float[Array, "... vocab"]:
+        """The head's output times ``logits_scaling`` (the identity at 1): the logits before any soft-cap."""
         return head_output if self.logits_scaling == 1.0 else times(head_output, self.logits_scaling)
 
+    def finish_logits(self, head_output: Float[Array, "... vocab"]) -> Float[Array, "... vocab"]:
+        """The logits from the head's output: scaled, then soft-capped (``final_logit_softcapping``)."""
+        return softcap(self.scaled_logits(head_output), self.final_logit_softcapping)
+
     def logits_from_norm(self, normed: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
-        """The logits from ``final_norm_output``: the head and whatever the family does after it."""
+        """The logits from ``final_norm_output``: the head and whatever the family does after it (the cap too)."""
         return self.finish_logits(self.head(normed))
 
+    @property
+    def logit_softcap(self) -> float | None:
+        """The final logits' soft-cap (``tanh(x / cap) · cap``), None without one."""
+        return self.final_logit_softcapping
+
     def readout(self):
-        """``(final_norm, logits_from_norm)``: the final RMSNorm and the (linear) map from its output to the
-        logits, for direct logit attribution."""
-        return self.final_norm, self.logits_from_norm
+        """``(final_norm, linear)``: the final RMSNorm and the linear map from its output to the logits *before*
+        the final soft-cap (``logit_softcap``; the logits themselves without one), for direct logit attribution."""
+        return self.final_norm, lambda normed: self.scaled_logits(self.head(normed))
+
+    def rotary_for(self, kind: str) -> Rotary | None:
+        """The rotary of blocks of ``kind``: its own (``kind_rotary``) or the model's."""
+        return dict(self.kind_rotary).get(kind, self.rotary)
+
+    def attention_args(self, positions, mask, context, seq: int, dtype):
+        """``self_attn``'s arguments ``(cos_sin, mask)``, or block kind -> them where kinds differ: a sliding
+        window narrows the mask (indices: the sequence's, ``Context.indices`` on a continued run), a kind's
+        own rotary gives its cos/sin."""
+        cos_sin = {}
+
+        def angles(rotary):
+            if rotary not in cos_sin:
+                cos_sin[rotary] = None if rotary is None else rotary.cos_sin(positions, dtype)
+            return cos_sin[rotary]
+
+        stack = self.layers
+        windows = {}
+        for q, slot in enumerate(stack.slots):
+            if slot.has("self_attn"):
+                windows.setdefault(stack.kinds[q], slot.attn.sliding_window)
+        if all(w is None for w in windows.values()) and not self.kind_rotary:
+            return angles(self.rotary), mask
+        if context is None:
+            index = jnp.arange(seq)[None]
+            query_index, key_index = index, index
+        else:
+            query_index, key_index = context.indices(mask.shape[-1] - seq)
+        by_kind = {}
+        for kind, window in windows.items():
+            narrowed = mask if window is None else mask & window_mask(query_index, key_index, window)
+            by_kind[kind] = (angles(self.rotary_for(kind)), narrowed)
+        return by_kind
 
     def project_on_vocab(self, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
         """Final norm, head and whatever follows the head: the logit lens (exact at the last block)."""
@@ -120,8 +182,10 @@ class CausalLM(Model):
         tokens, attention_mask = inputs.tokens, inputs.attention_mask
         s = tap.scope()
         merged = (lambda x: x) if merge is None else merge
-        embed = lambda: self.enter_blocks(merged(s("token_embeddings", self.embed[tokens])))
+        embed = lambda: self.enter_blocks(merged(s("token_embeddings", self.lookup(tokens))))
         positions, mask, h = begin(tokens, attention_mask, context, embed)
+        if context is None or context.stream is None:  # the run embeds its tokens (no stream handed in)
+            h = self.enter_positions(h, positions, s)
         if self.mrope:
             if context is not None:
                 rope = (jnp.broadcast_to(positions, (3, *positions.shape)) if context.rope_positions is None
@@ -132,7 +196,7 @@ class CausalLM(Model):
                 rope = mrope_positions(tokens, attention_mask, -1, (), 1)
             positions = s("positions", rope)
         dtype = jnp.float32 if self.rotary_in_float32 else h.dtype
-        cos_sin = None if self.rotary is None else self.rotary.cos_sin(positions, dtype)
+        attention = self.attention_args(positions, mask, context, tokens.shape[1], dtype)
         padding = None if attention_mask is None else attention_mask.astype(bool)
         pasts = {}
         if context is not None:
@@ -141,7 +205,7 @@ class CausalLM(Model):
                 pasts["self_attn"] = (context.keys, context.values)
             if context.states is not None:
                 pasts["linear_attn"] = (context.states, context.conv_inputs)
-        h, block_reads = self.layers(h, tap, {"self_attn": (cos_sin, mask), "linear_attn": (None, padding)}, pasts,
+        h, block_reads = self.layers(h, tap, {"self_attn": attention, "linear_attn": (None, padding)}, pasts,
                                      None if context is None else context.block, after=after_block)
         normed = s("final_norm_output", self.final_norm(h))
         logits = s("logits", self.finish_logits(s("lm_head_output", self.head(normed))))
@@ -150,7 +214,10 @@ class CausalLM(Model):
 
 class TextFamily(Family):
     """The declaration of a causal-LM family: override ``block`` (and, where they differ, ``names``,
-    ``layer_types``, ``rotary``, ``extra``, ``norm``, ``ignored``)."""
+    ``layer_types``, ``rotary``, ``extra``, ``norm``, ``ignored``; ``model_class``: a ``CausalLM`` subclass)."""
+
+    model_class: ClassVar[type] = CausalLM
+    SLIDING = "sliding_attention"  # the block kind whose attention has config.sliding_window
 
     handled = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                          "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "tie_word_embeddings",
@@ -173,6 +240,12 @@ class TextFamily(Family):
     def layer_types(cls, hf) -> tuple[str, ...]:
         """Each block's kind; every block is ``full_attention`` unless the family says otherwise."""
         return ("full_attention",) * hf.num_hidden_layers
+
+    @classmethod
+    def window(cls, hf, kind: str) -> int | None:
+        """The sliding window of blocks of ``kind``: ``config.sliding_window`` on ``sliding_attention`` blocks,
+        None (full attention) on every other kind."""
+        return getattr(hf, "sliding_window", None) if kind == cls.SLIDING else None
 
     @classmethod
     def block(cls, hf, c: ModelConfig, kind: str, dtype):
@@ -201,7 +274,7 @@ class TextFamily(Family):
     @classmethod
     def skeleton(cls, hf, dtype) -> CausalLM:
         c = cls.standard_config(hf)
-        return CausalLM(
+        return cls.model_class(
             config=c, family=cls.family,
             embed=shape(c.vocab_size, c.hidden_size, dtype=dtype),
             layers=Stack.skeleton("layers", c.layer_types, lambda kind: cls.block(hf, c, kind, dtype)),

@@ -36,7 +36,8 @@ class Llama(TextFamily):
         return Block(
             attention_norm=cls.norm(hf, c, dtype),
             attn=Attention.skeleton(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                                    cls.attention_scale(hf, c), bias, bias, dtype),
+                                    cls.attention_scale(hf, c), bias, bias, dtype,
+                                    sliding_window=cls.window(hf, kind)),
             attention_post_norm=None,
             mlp_norm=cls.norm(hf, c, dtype),
             mlp=GatedMLP.skeleton(c.hidden_size, c.intermediate_size, hf.hidden_act,

@@ -26,6 +26,10 @@ class Entry:
     path: str
     transform: Callable[[np.ndarray], np.ndarray] = lambda w: w
     blocks: tuple[int, ...] | None = None
+    # other spellings of the same parameter in checkpoints (entries with the same path): the loader takes the first
+    # of (this entry, *alternatives) whose tensors are all stored (``spelled``); a mixture-of-experts' fused experts
+    # tensor or one tensor per expert
+    alternatives: tuple["Entry", ...] = ()
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -41,7 +45,27 @@ class Entry:
         """The entry with ``key`` prefixed to its stored names and ``path`` to its parameter path (a fragment
         of a module's map placed in a model)."""
         keys = tuple(key + k for k in self.keys)
-        return dataclasses.replace(self, key=keys[0] if isinstance(self.key, str) else keys, path=path + self.path)
+        return dataclasses.replace(self, key=keys[0] if isinstance(self.key, str) else keys, path=path + self.path,
+                                   alternatives=tuple(a.under(key, path) for a in self.alternatives))
+
+    def spellings(self) -> tuple["Entry", ...]:
+        """This entry and its alternatives, each with this entry's blocks, none with alternatives of its own."""
+        return (dataclasses.replace(self, alternatives=()),
+                *(dataclasses.replace(a, blocks=self.blocks, alternatives=()) for a in self.alternatives))
+
+
+def spelled(entries: list[Entry], stored: Callable[[str], str], keys) -> list[Entry]:
+    """Each entry as the checkpoint spells it: its first spelling (``Entry.spellings``) whose tensors are all among
+    ``keys`` for its first block, with every key respelled by ``stored`` (``io.hf.stored_names``); the entry itself
+    when none is complete (the loader then names what is missing)."""
+    keys = set(keys)
+    out = []
+    for e in entries:
+        options = [dataclasses.replace(s, key=stored(s.key) if isinstance(s.key, str) else tuple(map(stored, s.key)))
+                   for s in e.spellings()]
+        first = e.blocks[0] if e.stacked and e.blocks else 0
+        out.append(next((s for s in options if all(k.format(i=first) in keys for k in s.keys)), options[0]))
+    return out
 
 
 def linear(w):

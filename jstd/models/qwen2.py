@@ -23,7 +23,9 @@ from jstd.core.config import ModelConfig
 from jstd.models.attention import Attention
 from jstd.models.block import Block
 from jstd.models.mlp import GatedMLP
+from jstd.models.causal_lm import TextFamily
 from jstd.models.llama import Llama
+from jstd.models.qwen3 import layer_kinds
 
 
 class Qwen2VLText(Llama):
@@ -47,9 +49,28 @@ class Qwen2VLText(Llama):
         return Block(
             attention_norm=cls.norm(hf, c, dtype),
             attn=Attention.skeleton(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5,
-                                    True, False, dtype),
+                                    True, False, dtype, sliding_window=cls.window(hf, kind)),
             attention_post_norm=None,
             mlp_norm=cls.norm(hf, c, dtype),
             mlp=GatedMLP.skeleton(c.hidden_size, c.intermediate_size, hf.hidden_act, False, dtype),
             mlp_post_norm=None,
         )
+
+
+class Qwen2(Qwen2VLText):
+    """Qwen2 and Qwen2.5 (``model_type`` qwen2): the same block under the ordinary 1-D rotary, whose blocks may be
+    ``sliding_attention`` blocks (``config.layer_types``; transformers makes the blocks from
+    ``max_window_layers`` on sliding when ``use_sliding_window``): each query then attends the last
+    ``sliding_window`` keys, itself included. The released checkpoints have none."""
+
+    family = "qwen2"
+    model_types = ("qwen2",)
+    handled = TextFamily.handled | {"layer_types", "use_sliding_window", "sliding_window", "max_window_layers"}
+
+    @classmethod
+    def standard_config(cls, hf) -> ModelConfig:
+        return super(Qwen2VLText, cls).standard_config(hf)  # Llama's: any layer kind, head_dim as given
+
+    @classmethod
+    def layer_types(cls, hf) -> tuple[str, ...]:
+        return layer_kinds(hf, cls.family)

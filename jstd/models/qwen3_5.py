@@ -32,7 +32,7 @@ checkpoints); the stack scans one period of kinds per step
   streams are equal, so the rotation is the ordinary one; the model serves
   them as ``positions``.
 
-Mixture-of-experts Qwen3.5 (``qwen3_5_moe``) is not served.
+Mixture-of-experts Qwen3.5 (``qwen3_5_moe_text``) is ``jstd.models.qwen3_5_moe``.
 """
 
 from __future__ import annotations

@@ -90,14 +90,16 @@ class Stack(eqx.Module):
         return next((slot for slot in self.slots if slot.has(host)), None)
 
     def runs(self, width: int) -> tuple[tuple[int, ...], ...]:
-        """Slots ``0 … width - 1`` in order, consecutive equal ones (``_equal``: same block structure) together.
+        """Slots ``0 … width - 1`` in order, consecutive equal ones (``_equal``: same block structure, and the
+        same kind) together.
 
         A run of several slots (a hybrid's DeltaNet slots) runs as an inner ``lax.scan`` over them, so its block
         is traced and compiled once; slots held one by one (``Rows``) each run alone, reading their own arrays.
         """
         runs: list[tuple[int, ...]] = []
         for q in range(width):
-            if runs and not isinstance(self.slots[q], Rows) and _equal(self.slots[runs[-1][0]], self.slots[q]):
+            if (runs and not isinstance(self.slots[q], Rows) and self.kinds[runs[-1][0]] == self.kinds[q]
+                    and _equal(self.slots[runs[-1][0]], self.slots[q])):
                 runs[-1] += (q,)
             else:
                 runs.append((q,))
@@ -108,7 +110,8 @@ class Stack(eqx.Module):
         """Run every block over ``h`` in order; return ``(h, reads)``, or ``(h, reads, streams)`` with ``keep``.
 
         args: mixer host -> the arguments its mixer takes after the normed stream
-            (``{"self_attn": (cos_sin, mask)}``).
+            (``{"self_attn": (cos_sin, mask)}``), or -> block kind -> them where
+            they differ by kind (a sliding window's mask, Gemma 3's local rotary).
         pasts: mixer host -> what earlier positions left for each block with it
             (a pytree stacked over ``layers_with(host)``); such a block is
             called with ``past=`` its entry.
@@ -242,7 +245,10 @@ class _Pass:
 
         def step(h):
             s = BlockScope(self.tap, self.prefix, layer, self.group_of, lambda group: self.index_in(group, j, q, k))
-            h = block(constrain_rows(h), self.args[host], s, past)  # a no-op without jax.set_mesh
+            args = self.args[host]
+            if isinstance(args, dict):  # by block kind (a run holds slots of one kind: Stack.runs)
+                args = args[stack.kinds[q]]
+            h = block(constrain_rows(h), args, s, past)  # a no-op without jax.set_mesh
             return (h if self.after is None else self.after(h, layer)), s.records
 
         return step(h) if self.first is None else _from_block(self.first, layer, step, h)

@@ -24,7 +24,7 @@
   images (its timestamps concern videos, which jstd refuses).
 
 Qwen3.5 (``qwen3_5``, ``Qwen3_5VL``) is this wrapper with the tower's DeepStack off and the Qwen3.5 text model. The
-MoE lines (``qwen3_vl_moe``, ``qwen3_5_moe``) are refused at load (``jstd.models.REFUSED``).
+MoE lines (``qwen3_vl_moe``, ``qwen3_5_moe``) are these wrappers with MoE text models (``jstd.vision.qwen3_vl_moe``).
 """
 
 from __future__ import annotations

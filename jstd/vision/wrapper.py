@@ -245,10 +245,12 @@ class WrapperFamily(Family):
     @classmethod
     def name_map(cls, hf, skeleton=None) -> list[Entry]:
         skeleton = skeleton if skeleton is not None else cls.skeleton(hf, jnp.float32)
-        text = []
-        for e in cls.text_family(hf).name_map(cls.text_config(hf), skeleton.text):
+        def moved(e: Entry) -> Entry:  # a text entry under the wrapper's text prefix (its other spellings too)
             keys = tuple(cls.keys["text"] + k[len("model."):] if k.startswith("model.") else k for k in e.keys)
-            text.append(dataclasses.replace(e, key=keys[0] if isinstance(e.key, str) else keys, path="text." + e.path))
+            return dataclasses.replace(e, key=keys[0] if isinstance(e.key, str) else keys, path="text." + e.path,
+                                       alternatives=tuple(map(moved, e.alternatives)))
+
+        text = [moved(e) for e in cls.text_family(hf).name_map(cls.text_config(hf), skeleton.text)]
         return (skeleton.vision.name_map("vision", cls.keys["tower"], cls.tower_for(hf).names) + text
                 + cls.projector_entries(hf, skeleton.projector))
 

@@ -226,6 +226,8 @@ class TorchReference:
             k = key.repeat_interleave(groups, dim=1)
             v = value.repeat_interleave(groups, dim=1)
             scores = torch.matmul(query, k.transpose(2, 3)) * scaling
+            if kwargs.get("softcap") is not None:  # Gemma 2's soft-capped scores: attention_scores after the cap
+                scores = torch.tanh(scores / kwargs["softcap"]) * kwargs["softcap"]
             if attention_mask is not None:
                 scores = scores + attention_mask
             scores = tap("layers.self_attn.attention_scores", i, scores)

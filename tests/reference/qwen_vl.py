@@ -77,7 +77,9 @@ def vision_plan(tower: str, family: str) -> dict:
     block = tower + ".blocks.{i}"
     act, down = {"qwen2_vl": ("mlp.act", "mlp.fc2"),
                  "qwen3_vl": ("mlp.act_fn", "mlp.linear_fc2"),
-                 "qwen3_5": ("mlp.act_fn", "mlp.linear_fc2")}.get(family, ("mlp.act_fn", "mlp.down_proj"))
+                 "qwen3_5": ("mlp.act_fn", "mlp.linear_fc2"),
+                 "qwen3_vl_moe": ("mlp.act_fn", "mlp.linear_fc2"),
+                 "qwen3_5_moe": ("mlp.act_fn", "mlp.linear_fc2")}.get(family, ("mlp.act_fn", "mlp.down_proj"))
     return {
         "vision.patch_embeddings": (tower + ".patch_embed", "out"),
         "vision.layers.layer_input": (block, "in"),

@@ -15,9 +15,15 @@ recomputes its chunks' UT inverse. Two grid layouts, picked by the default backe
   (``"arbitrary"``), one chunk's blocks per step (VMEM holds a chunk, not the sequence)
   and the state in a VMEM scratch buffer.
 
+On a mesh (``jax.set_mesh``) the kernel runs once per shard under ``jax.shard_map``, rows
+over ``data`` and heads over ``model`` (XLA cannot partition a Pallas call; see
+``_per_shard``), so it composes with jstd's sharding rules and with ``vmap``.
+
 No accelerator was available to run it here. Both layouts are tested with the Pallas
-interpreter on the CPU, and both are checked to lower (to Triton IR and to Mosaic TPU
-MLIR; the backend compilers themselves did not run). Lowering-friendly by construction:
+interpreter on the CPU (on a 2 x 2 mesh too), both lower (to Triton IR and to Mosaic TPU
+MLIR), and with the ``aot`` extra the TPU layout compiles through libtpu's Mosaic for a
+v5e slice (tests/test_aot.py). The GPU layout's Triton IR compiles to an sm_90a cubin
+(``jstd.aot.kernels.triton_cubin``) that still spills registers (docs/scale.md). Lowering-friendly by construction:
 
 * only 2-D values, loads/stores of power-of-two ``[chunk, dim]`` tiles (Triton's
   constraint: head dims must be powers of two on GPUs), chunks of at least 16 (Triton's
@@ -47,6 +53,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
 from jstd.kernels import gated_delta as _gd
+from jstd.kernels.platform import platform
 
 __all__ = ["pallas_chunk_gated_delta_rule"]
 
@@ -147,7 +154,9 @@ def _blocked_kernel(q_ref, k_ref, v_ref, b_ref, gc_ref, gr_ref, s0_ref, o_ref, s
 
 
 def _default_backend() -> str:
-    return jax.default_backend()  # (a function, so that tests can lower for another platform)
+    # the default backend's, or a deviceless compile's target (jstd.kernels.platform.compiling_for); a function, so
+    # that tests can lower for another platform
+    return platform()
 
 
 def _block_v(Dv: int, backend: str) -> int:
@@ -157,8 +166,9 @@ def _block_v(Dv: int, backend: str) -> int:
     return bv if Dv > bv and Dv % bv == 0 else Dv
 
 
-def _triton_params():
-    # Triton explicitly: this JAX would otherwise pick Mosaic GPU, whose blocks must fit in SMEM
+def triton_params():
+    """The Triton compiler params of the GPU layout (also what ``jstd.aot.kernels`` compiles the cubin with).
+    Triton explicitly: this JAX would otherwise pick Mosaic GPU, whose blocks must fit in SMEM."""
     from jax.experimental.pallas import triton as pltriton
 
     return pltriton.CompilerParams(num_warps=4, num_stages=1)
@@ -214,7 +224,7 @@ def _forward(q, k, v, g, beta, initial_state, *, use_qk_l2norm, chunk_size, retu
             out_specs += [vcols(N, Dk, BV), vcols(Tp, BV)]
         kernel = functools.partial(_loop_kernel, C=C, N=N, return_states=return_states)
         scratch = []
-        params = _triton_params() if backend == "gpu" and not interpret else None
+        params = triton_params() if backend == "gpu" and not interpret else None
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -298,4 +308,32 @@ def pallas_chunk_gated_delta_rule(
         ("return_states", bool(return_states)),
         ("interpret", bool(interpret)),
     )
-    return _pallas_core(q, k, v, g, beta, initial_state, opts)
+    return _per_shard(q, k, v, g, beta, initial_state, opts)
+
+
+# the mesh axes the kernel splits its calls over (jstd.sharding's names): rows over ``data``, heads over ``model``
+BATCH_AXIS, HEAD_AXIS = "data", "model"
+
+
+def _per_shard(q, k, v, g, beta, initial_state, opts):
+    """``_pallas_core`` once per shard of the enclosing mesh (``jax.set_mesh``; none: one call).
+
+    A Pallas kernel cannot be partitioned by XLA ("Mosaic kernels cannot be automatically partitioned"), so on a
+    mesh it runs under ``jax.shard_map``: rows split over ``BATCH_AXIS`` and heads over ``HEAD_AXIS`` where the
+    mesh has the axis and it divides them (key/query heads and value heads alike: grouped heads stay with their
+    group), every other axis replicated. The delta rule is independent across rows and heads, so each shard's
+    call computes its part of the whole call's result exactly; inputs sharded otherwise are resharded to these
+    specs by XLA. Composes with ``vmap`` (a sweep's entry axis is batched through the map)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(mesh.shape) if not mesh.empty else {}
+    B, Hk, H = q.shape[0], k.shape[2], v.shape[2]
+    b = BATCH_AXIS if sizes.get(BATCH_AXIS, 1) > 1 and B % sizes[BATCH_AXIS] == 0 else None
+    h = HEAD_AXIS if sizes.get(HEAD_AXIS, 1) > 1 and Hk % sizes[HEAD_AXIS] == 0 and H % sizes[HEAD_AXIS] == 0 else None
+    if b is None and h is None:
+        return _pallas_core(q, k, v, g, beta, initial_state, opts)
+    P = jax.sharding.PartitionSpec
+    seq4, seq3, state = P(b, None, h, None), P(b, None, h), P(b, h, None, None)
+    outs = (seq4, state) + ((P(b, None, h, None, None),) if dict(opts)["return_states"] else ())
+    mapped = jax.shard_map(lambda *a: _pallas_core(*a, opts), mesh=mesh, in_specs=(seq4, seq4, seq4, seq3, seq3, state),
+                           out_specs=outs, check_vma=False)
+    return mapped(q, k, v, g, beta, initial_state)

@@ -1,0 +1,139 @@
+"""Sparse autoencoders: the spliced forward against the plain one, and training throughput against torch.
+
+1. The Foundation model (benchmarks/forward.py: 8 blocks, 512 wide, batch 4 x 256, float32 on the CPU) with one
+   16x-wide ReLU dictionary (8192 latents) spliced at ``layers.layer_output`` of every block (a stack of 8), run
+   by ``jax.jit(jstd.run)``: unedited with nothing under the site read; with one feature ablated at every block
+   (each block encodes and decodes); with the latents of every block read. All interleaved with the plain forward.
+   The FLOP floor is what the dictionary's products add to the forward's (encoder, and decoder where it runs).
+2. Training throughput: ``jstd.sae.train``'s update (standard ReLU dictionary, 512 -> 8192, l1 5, Adam 4e-4,
+   batch 4096, float32) against the same update as a torch loop written after SAELens 6's ``StandardTrainingSAE``
+   (``x - b_dec`` in, ReLU, ``Σ‖x - x̂‖²`` per token plus ``l1 · ‖f · ‖W_dec‖‖₁``, ``torch.optim.Adam``), on the
+   same activations (block 4's layer_output of the Foundation model on random tokens), runs interleaved.
+   SAELens itself is not installed here (see docs/benchmarks.md): this loop is its loss and update without its
+   trainer's bookkeeping, so it favours torch.
+
+    python benchmarks/sae.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import time
+
+import common
+from common import print_table, repeats_parser, text_checkpoint, time_interleaved, versions
+from forward import SIZE, llama_config
+
+D_SAE = 16 * SIZE["hidden_size"]
+SITE = "layers.layer_output"
+
+
+def spliced_forward(folder, tokens, repeats):
+    import jax
+    import jax.numpy as jnp
+
+    import jstd
+
+    model = jstd.load(folder)
+    L, H = model.config.num_layers, model.config.hidden_size
+    saes = jstd.sae.stack([jstd.sae.init(jax.random.key(i), H, D_SAE) for i in range(L)])
+    splices = jstd.splice(model, saes, SITE)
+    ablate = jstd.sae.ablate_features(SITE, 17, D_SAE)
+    run = jax.jit(jstd.run, static_argnames="reads")
+    calls = {
+        "plain": lambda: jax.block_until_ready(run(model, tokens).logits),
+        "spliced": lambda: jax.block_until_ready(run(model, tokens, splices).logits),
+        "ablated": lambda: jax.block_until_ready(run(model, tokens, [*splices, ablate]).logits),
+        "read": lambda: jax.block_until_ready(run(model, tokens, splices, reads=(f"{SITE}.sae.latents",))),
+    }
+    t = time_interleaved(calls, repeats)
+    same = bool(jnp.array_equal(run(model, tokens, splices).logits, run(model, tokens).logits))
+    n = tokens.size
+    block = 2 * n * (H * (H + 2 * SIZE["num_key_value_heads"] * H // SIZE["num_attention_heads"] + H)
+                     + 3 * H * SIZE["intermediate_size"])
+    forward_flops = L * block + 2 * n * H * SIZE["vocab_size"]
+    encode = 2 * n * H * D_SAE * L
+    return t, same, (forward_flops + encode) / forward_flops, (forward_flops + 2 * encode) / forward_flops
+
+
+def training(folder, tokens, repeats, steps=3):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import torch
+
+    import jstd
+    from jstd.sae.train import Settings, State, _train_step
+
+    model = jstd.load(folder)
+    rows = []
+    for seed in range(4):
+        toks = np.random.default_rng(seed).integers(0, SIZE["vocab_size"], tokens.shape)
+        rows.append(np.asarray(jstd.run(model, toks, reads=("layers.4.layer_output",))["layers.4.layer_output"]))
+    x = np.concatenate(rows).reshape(-1, SIZE["hidden_size"]).astype(np.float32)[:4096]
+    H = x.shape[1]
+
+    sae = jstd.sae.init(jax.random.key(0), H, D_SAE)
+    optimizer = optax.adam(4e-4)
+    settings = Settings("standard", None, 5.0, 0.0, 0.05, H // 2, 0.0, 10**9)
+    state = State(sae, optimizer.init(sae), jnp.zeros(D_SAE), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
+    step = jax.jit(lambda st, b: _train_step(st, b, optimizer, settings), donate_argnums=0)
+    xj = jnp.asarray(x)
+    box = {"state": state}
+
+    def jstd_steps():
+        st = box["state"]
+        for _ in range(steps):
+            st, metrics = step(st, xj)
+        jax.block_until_ready(metrics["loss"])
+        box["state"] = st
+
+    W_dec = torch.nn.Parameter(torch.from_numpy(np.array(sae.W_dec)))
+    W_enc = torch.nn.Parameter(torch.from_numpy(np.array(sae.W_enc)))
+    b_enc = torch.nn.Parameter(torch.zeros(D_SAE))
+    b_dec = torch.nn.Parameter(torch.zeros(H))
+    opt = torch.optim.Adam([W_enc, b_enc, W_dec, b_dec], lr=4e-4)
+    xt = torch.from_numpy(x)
+
+    def torch_steps():
+        for _ in range(steps):
+            sae_in = xt - b_dec
+            acts = torch.relu(sae_in @ W_enc + b_enc)
+            out = acts @ W_dec + b_dec
+            mse = (out - xt).pow(2).sum(-1).mean()
+            l1 = 5.0 * (acts * W_dec.norm(dim=1)).norm(p=1, dim=-1).mean()
+            loss = mse + l1
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        return float(loss)
+
+    t = time_interleaved({"jstd": jstd_steps, "torch": torch_steps}, repeats)
+    return {k: (v[0] / steps, v[1] / steps) for k, v in t.items()}, len(x)
+
+
+def main():
+    args = repeats_parser().parse_args()
+    folder, tokens = text_checkpoint(llama_config, "llama-8x512", SIZE["vocab_size"])
+    t0 = time.time()
+    t, same, floor_encode, floor_both = spliced_forward(folder, tokens, args.repeats)
+    tt, batch = training(folder, tokens, args.repeats)
+    plain = t["plain"][0]
+    ms = lambda s: f"{s * 1e3:.0f} ms"
+    rows = [
+        ("spliced forward, unedited, nothing under the site read / plain (logits bit-identical: "
+         f"{same})", f"{t['spliced'][0] / plain:.2f}x", f"{ms(t['spliced'][0])} vs {ms(plain)} (median)"),
+        ("spliced forward, one feature ablated at every block / plain", f"{t['ablated'][0] / plain:.2f}x",
+         f"{ms(t['ablated'][0])}; FLOP floor {floor_both:.2f}x (encoder + decoder of 8 x 512x8192)"),
+        ("spliced forward, latents of every block read ([8, 4, 256, 8192] float32) / plain",
+         f"{t['read'][0] / plain:.2f}x", f"{ms(t['read'][0])}; FLOP floor {floor_encode:.2f}x (encoder)"),
+        (f"training throughput, jstd.sae.train's update / torch loop of the same update (batch {batch}, 512 -> "
+         f"{D_SAE})", f"{tt['torch'][0] / tt['jstd'][0]:.2f}x",
+         f"jstd {batch / tt['jstd'][0]:,.0f} rows/s, torch {batch / tt['torch'][0]:,.0f} rows/s (median; best "
+         f"{tt['torch'][1] / tt['jstd'][1]:.2f}x)"),
+    ]
+    print_table(versions() + f"; {time.time() - t0:.0f} s", rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""A model from its config alone: every parameter a ``jax.ShapeDtypeStruct`` carrying its sharding.
+
+    hf = config("llama-3.1-8b", blocks=2)                       # a preset, a config.json, a checkpoint folder
+    model = abstract_model(hf, mesh, jstd.sharding.FSDP_TP, dtype=jnp.bfloat16)
+
+No weight is read: the family's skeleton (``Family.skeleton``, the shapes ``jstd.load`` fills) gets, leaf by leaf,
+the ``NamedSharding`` that ``jstd.sharding.shardings`` gives it, so ``jax.jit(f).lower(model, ...)`` compiles
+``f`` for the model as ``jstd.load(..., mesh=mesh, rules=rules)`` would place it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jstd.families import family_for
+from jstd.sharding import FSDP, shardings
+
+# config.json shapes of released checkpoints (no download: the compile needs the shapes alone)
+PRESETS = {
+    # meta-llama/Llama-3.1-8B
+    "llama-3.1-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=8192),
+        bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False, dtype="bfloat16"),
+    # the shape of Qwen3.5-4B's text model: 32 blocks, three gated-DeltaNet blocks to one gated-attention block
+    "qwen3.5-4b": dict(
+        model_type="qwen3_5_text", hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        vocab_size=248320, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                             mrope_section=[11, 11, 10], mrope_interleaved=True),
+        layer_types=["linear_attention"] * 3 + ["full_attention"], dtype="bfloat16"),
+    # llava-hf/llava-1.5-7b-hf: CLIP ViT-L/14 at 336 px, a two-layer projector, a Llama-2-7B-shaped text model
+    "llava-1.5-7b": dict(
+        model_type="llava", image_token_index=32000, projector_hidden_act="gelu", vision_feature_layer=-2,
+        vision_feature_select_strategy="default", image_seq_length=576, dtype="bfloat16",
+        vision_config=dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
+                           num_hidden_layers=24, num_attention_heads=16, image_size=336, patch_size=14,
+                           projection_dim=768, hidden_act="quick_gelu", layer_norm_eps=1e-5),
+        text_config=dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+                         max_position_embeddings=4096, rms_norm_eps=1e-5, pad_token_id=0)),
+}
+
+
+def config(source, *, blocks: int | None = None):
+    """A transformers config from ``source``: a preset name (``PRESETS``), a ``config.json`` path, a checkpoint
+    folder holding one, a dict as config.json holds, or a transformers config. ``blocks``: every stack cut to its
+    first ``blocks`` blocks (the text model's and a tower's; a hybrid's layer types cut alike), for a small
+    compile of the same shapes.
+
+    Raises ValueError for a source that is none of these (naming the presets) or a ``model_type`` jstd has no
+    family for.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        raw = source.to_dict()
+    elif isinstance(source, dict):
+        raw = copy.deepcopy(source)
+    elif isinstance(source, str) and source.lower() in PRESETS:
+        raw = copy.deepcopy(PRESETS[source.lower()])
+    else:
+        path = Path(source)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise ValueError(f"{source!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json or a "
+                             "checkpoint folder holding one")
+        raw = json.loads(path.read_text())
+    raw = _cut(raw, blocks)
+    family_for(raw.get("model_type"), repr(source))
+    kind = raw.pop("model_type")
+    return AutoConfig.for_model(kind, **raw)
+
+
+def _cut(raw: dict, blocks: int | None) -> dict:
+    """``raw`` with its stacks cut to ``blocks`` (None: as they are) and a short ``layer_types`` pattern repeated
+    to the number of blocks."""
+    if blocks is not None and blocks < 1:
+        raise ValueError(f"blocks={blocks}: pass at least 1")
+    for key in ("text_config", "vision_config"):
+        if isinstance(raw.get(key), dict):
+            raw[key] = _cut(raw[key], blocks)
+    for key in ("num_hidden_layers", "depth"):
+        if key in raw and blocks is not None:
+            raw[key] = min(raw[key], blocks)
+    if isinstance(raw.get("layer_types"), list):
+        kinds = raw["layer_types"]
+        raw["layer_types"] = [kinds[i % len(kinds)] for i in range(raw.get("num_hidden_layers", len(kinds)))]
+        if len(set(kinds)) > 1 and len(raw["layer_types"]) >= 2 and len(set(raw["layer_types"])) == 1:
+            # a cut that would leave one kind of block keeps the other kind in its last block
+            raw["layer_types"][-1] = next(k for k in kinds if k != raw["layer_types"][0])
+    return raw
+
+
+def abstract_model(hf, mesh=None, rules=FSDP, *, dtype=jnp.bfloat16):
+    """The model of config ``hf`` with ``jax.ShapeDtypeStruct`` leaves of ``dtype``, each with its
+    ``NamedSharding`` on ``mesh`` under ``rules`` (``jstd.sharding.shardings``); without a mesh, no shardings."""
+    family = family_for(hf.model_type)
+    skeleton = family.skeleton(hf, jnp.dtype(dtype))
+    if mesh is None:
+        return skeleton
+    placed = shardings(skeleton, mesh, rules)
+    return jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s), skeleton, placed)

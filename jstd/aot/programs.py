@@ -1,0 +1,107 @@
+"""jstd's programs as functions of abstract arguments, ready to ``jax.jit(...).lower(*args)``.
+
+Each builder returns ``(fn, args, in_shardings)``: ``fn(model, *rest)`` and abstract ``args`` (the model first, then
+``jax.ShapeDtypeStruct`` inputs carrying their shardings). Inputs: ``batch`` rows of ``seq`` token ids, rows over
+the mesh's ``batch`` axes as ``rules`` place them; a wrapper (Llava-style: ``pixel_values [images, 3, H, W]``)
+also gets one image per row, the images split as the rows are.
+
+- ``forward``: ``jstd.run`` with the logits and every block's ``layers.layer_output`` read.
+- ``grad``: the gradient of the last position's log-probability of token 0 with respect to a steering vector
+  ``Add``-ed at ``layers.layer_output`` of the middle block (a gradient through an edit).
+- ``sweep``: one chunk of an activation-patching sweep: ``entries`` (block, position) pairs, split over the
+  ``data`` axis, each a run of the corrupted prompt with ``layers.layer_output`` at that block and position set to
+  the clean run's, scored by the logit difference of tokens 0 and 1 at the last position (``vmap`` over the
+  entries; the clean run's values are computed in the same program).
+- ``generate``: ``jstd.generate`` of ``new`` tokens, greedy, with a steering vector added at the middle block at
+  every step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jstd.core.edits import Add, Set
+from jstd.core.inputs import Inputs
+from jstd.generate import generate
+from jstd.run import run
+from jstd.sharding import DATA, FSDP, batch_sharding, fit
+
+PROGRAMS = ("forward", "grad", "sweep", "generate")
+SITE = "layers.layer_output"
+
+
+def program(name: str, model, mesh, rules=FSDP, *, batch: int = 8, seq: int = 1024, entries: int | None = None,
+            new: int = 16):
+    """``(fn, args)`` of program ``name`` (one of ``PROGRAMS``) for the abstract ``model`` on ``mesh``.
+
+    ``entries``: a sweep chunk's (block, position) pairs (default: the size of the ``data`` axis);
+    ``new``: the tokens ``generate`` adds. Raises ValueError for an unknown name or a wrapper whose images are not
+    ``pixel_values [images, 3, H, W]``.
+    """
+    if name not in PROGRAMS:
+        raise ValueError(f"unknown program {name!r}: pass one of {', '.join(PROGRAMS)}")
+    replicated = NamedSharding(mesh, PartitionSpec())
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=fit(batch_sharding(mesh, rules), (batch, seq)))
+    images = _images(model, batch, fit(batch_sharding(mesh, rules, 4), (batch, 1, 1, 1)))  # one image per row
+    hidden, blocks = model.config.hidden_size, model.config.num_layers
+    dtype = jax.tree.leaves(model)[0].dtype
+    vector = jax.ShapeDtypeStruct((hidden,), dtype, sharding=replicated)
+    middle = blocks // 2
+
+    def inputs(t, im):
+        return t if im is None else Inputs(t, None, im)
+
+    if name == "forward":
+        def fn(model, t, im):
+            out = run(model, inputs(t, im), reads=(SITE,))
+            return out.logits, out[SITE]
+        return fn, (model, tokens, images)
+    if name == "grad":
+        def fn(model, t, im, v):
+            def score(v):
+                logits = run(model, inputs(t, im), (Add(SITE, v, layer=middle),)).logits[:, -1]
+                return jax.nn.log_softmax(logits.astype(jnp.float32))[:, 0].sum()
+            return jax.grad(score)(v)
+        return fn, (model, tokens, images, vector)
+    if name == "generate":
+        def fn(model, t, im, v):
+            out = generate(model, inputs(t, im), (Add(SITE, v, layer=middle),), max_new_tokens=new, eos_token_id=())
+            return out.tokens
+        return fn, (model, tokens, images, vector)
+    size = dict(zip(mesh.axis_names, mesh.devices.shape)).get(DATA, 1)
+    n = entries or size
+    spread = NamedSharding(mesh, PartitionSpec(DATA)) if n % size == 0 else replicated
+    layers = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=spread)
+    positions = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=spread)
+
+    def fn(model, clean, corrupt, im, layers, positions):
+        values = run(model, inputs(clean, im), reads=(SITE,))[SITE]  # [blocks, batch, seq, hidden]
+
+        def one(layer, position):
+            patch = Set(SITE, values[layer], layer=layer, positions=position)
+            logits = run(model, inputs(corrupt, im), (patch,)).logits[:, -1].astype(jnp.float32)
+            return (logits[:, 0] - logits[:, 1]).mean()
+
+        return jax.vmap(one)(layers, positions)
+    return fn, (model, tokens, tokens, images, layers, positions)
+
+
+def _images(model, batch: int, sharding):
+    """One abstract image per row for a wrapper (None for a text model)."""
+    v = getattr(model.config, "vision", None)
+    if v is None or not hasattr(model, "text"):
+        return None
+    size = v.image_size
+    if not size:
+        raise ValueError(f"jstd.aot builds images as pixel_values [images, 3, H, W] (Llava-style towers); the "
+                         f"{model.family} tower cuts images into grids of its own: not covered")
+    dtype = jax.tree.leaves(model)[0].dtype
+    return {"pixel_values": jax.ShapeDtypeStruct((batch, v.num_channels, size, size), dtype, sharding=sharding)}
+
+
+def abstract_leaves(args) -> list:
+    """The abstract leaves of ``args`` (for a size summary)."""
+    return [x for x in jax.tree.leaves(args) if isinstance(x, jax.ShapeDtypeStruct)]
+

@@ -1,0 +1,94 @@
+"""What a generation may ask for, checked before anything compiles: ``max_new_tokens`` a positive int, and the
+buffers preallocated for the whole sequence (the cache's keys and values, each step's logits) within the free
+memory of the devices that hold the model."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+
+def check_max_new_tokens(max_new_tokens) -> int:
+    """``max_new_tokens`` as an int; ValueError unless it is a positive int (static under jit)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int (static under jit), got {max_new_tokens!r}")
+    return int(max_new_tokens)
+
+
+def preallocated_bytes(model, batch: int, prompt: int, new: int) -> int:
+    """The bytes a generation of ``new`` tokens after a ``[batch, prompt]`` prompt preallocates: the softmax
+    blocks' keys and values over ``prompt + new`` positions, the step logits (kept, then returned) and the token
+    ids."""
+    c = model.config
+    leaves = [x for x in jax.tree.leaves(model.decoder) if hasattr(x, "dtype") and np.issubdtype(x.dtype, np.floating)]
+    itemsize = np.dtype(leaves[0].dtype).itemsize if leaves else 4
+    total = prompt + new
+    heads = c.num_kv_heads or c.num_heads or 0
+    width = (c.qk_head_dim or c.head_dim or 0) + (c.head_dim or 0)  # a key and a value
+    per_position = len(model.layers_with("self_attn")) * heads * width
+    cache = per_position * batch * total * itemsize
+    logits = 2 * new * batch * (c.vocab_size or 0) * max(itemsize, 4)
+    return int(cache + logits + batch * total * 4)
+
+
+def free_bytes(model) -> tuple[int, str] | None:
+    """The free memory of the devices holding ``model``'s arrays and their name; None when no device reports it
+    or the model holds no concrete array (traced under an outer jit, abstract for a deviceless compile: the
+    devices it will run on are not known here). A CPU device's is the host's available memory (counted once)."""
+    devices = {d for x in jax.tree.leaves(model) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+               for d in x.devices()}
+    if not devices:
+        return None
+    free, host, known = 0, False, False
+    for d in devices:
+        stats = _stats(d)
+        if stats and "bytes_limit" in stats:
+            free += int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+            known = True
+        elif d.platform == "cpu" and not host:
+            available = _host_available()
+            if available is not None:
+                free, host, known = free + available, True, True
+    platform = sorted({d.platform for d in devices})
+    return (free, f"{len(devices)} {'/'.join(platform)} device{'s' if len(devices) > 1 else ''}") if known else None
+
+
+def check_fits(model, batch: int, prompt: int, new: int) -> None:
+    """ValueError, before compiling, when the buffers of a generation of ``new`` tokens after a ``[batch,
+    prompt]`` prompt (``preallocated_bytes``) exceed the free memory of the model's devices (not checked where
+    ``free_bytes`` does not know it)."""
+    need = preallocated_bytes(model, batch, prompt, new)
+    free = free_bytes(model)
+    if free is None or need <= free[0]:
+        return
+    raise ValueError(f"generate: max_new_tokens={new} preallocates {_gib(need)} ({batch} rows x {prompt + new} "
+                     f"positions of cache, and each step's logits), more than the {_gib(free[0])} free on "
+                     f"{free[1]}; generate fewer new tokens (or fewer rows) per call")
+
+
+def _stats(device) -> dict | None:
+    try:
+        return device.memory_stats()
+    except Exception:  # backends without memory statistics
+        return None
+
+
+def _host_available() -> int | None:
+    """The host's available memory (``MemAvailable``; else free pages), None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB ({n} bytes)"

@@ -1,0 +1,218 @@
+"""Mixture-of-experts routing and the grouped expert product, as array functions.
+
+    probs            = softmax(router_logits in float32)          # every reference: float32
+    weights, indices = top_k(probs)                               # torch.topk's order: largest first
+    weights          = weights / sum(weights)   (where the family renormalises), cast as the family casts
+    expert_outputs   = down_e(act(gate_e(x)) · up_e(x)) for each chosen e       # [tokens, top_k, hidden]
+
+The expert product never forms every expert for every token: the ``tokens · top_k`` chosen pairs are sorted by
+expert and multiplied tile by tile, each tile through its one expert (``grouped``), so memory is
+O(tokens · top_k), not O(tokens · experts), and nothing is dropped (capacity is unlimited, as in transformers).
+With very few experts (``DENSE_EXPERTS``) the dense product of every expert is faster on the CPU and is used
+instead (same values).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jstd.kernels.activations import activation
+
+# at most this many experts (and tokens · top_k at most DENSE_PAIRS): every expert for every token, one einsum
+DENSE_EXPERTS = 4
+DENSE_PAIRS = 4096
+
+
+def route(logits: Float[Array, "... experts"], k: int, normalize: bool, weights_dtype
+          ) -> tuple[Float[Array, "... top_k"], Int[Array, "... top_k"]]:
+    """``(router_weights, expert_indices)`` from the router's logits: softmax in float32, the ``k`` largest
+    (largest first), divided by their sum when ``normalize``, cast to ``weights_dtype`` (the
+    logits' dtype on the Qwen and OLMoE lines, float32 on Mixtral, which never casts back).
+
+    Ties (equal probabilities: equal logits, common in bfloat16) break as torch's CPU ``topk`` breaks them
+    (``top_k``)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    values, indices = top_k(probs, k)
+    if normalize:
+        values = values / jnp.sum(values, axis=-1, keepdims=True)
+    return values.astype(weights_dtype), indices
+
+
+def top_k(probs: Float[Array, "... n"], k: int) -> tuple[Float[Array, "... k"], Int[Array, "... k"]]:
+    """The ``k`` largest of ``probs`` and their indices, largest first, with ties broken as torch's CPU
+    ``torch.topk`` breaks them: it selects with libstdc++'s ``std::nth_element`` (introselect) and sorts the first
+    ``k - 1`` by insertion, so among equal values neither the lower index nor any fixed rule wins (of eight
+    experts with equal top values, torch may take the last and the first). Rows without equal neighbours among
+    the ``k + 1`` largest take ``jax.lax.top_k`` (the same result); when some row has them, the rows with ties are
+    replayed on the host (``jax.pure_callback``, ``torch_topk_row``) under a ``lax.cond``, so only such calls pay.
+
+    Where torch takes ``std::partial_sort`` instead (``64 · k <= n``) or sorts past 16 (``k > 17``), and where the
+    whole row is chosen (``k == n``), ties go to the lower index (``jax.lax.top_k``)."""
+    n = probs.shape[-1]
+    if k >= n or 64 * k <= n or k > 17:
+        return jax.lax.top_k(probs, k)
+    values, indices = jax.lax.top_k(probs, k + 1)
+    tied = jnp.any(values[..., 1:] == values[..., :-1], axis=-1)
+    indices = indices[..., :k]
+
+    def replay(probs, tied, indices):
+        return jax.pure_callback(_torch_topk, jax.ShapeDtypeStruct(indices.shape, indices.dtype), probs, tied,
+                                 indices, vmap_method="broadcast_all")
+
+    # the choice has no gradient (the callback none at all): the values below are gathered from probs
+    indices = jax.lax.cond(jnp.any(tied), replay, lambda p, t, i: i, jax.lax.stop_gradient(probs), tied, indices)
+    return jnp.take_along_axis(probs, indices, axis=-1), indices
+
+
+def _torch_topk(probs, tied, indices):
+    """``indices`` with each tied row's replaced by ``torch_topk_row``'s (host arrays)."""
+    probs, tied, out = np.asarray(probs), np.asarray(tied), np.array(indices)
+    k = out.shape[-1]
+    flat_p, flat_t, flat_o = probs.reshape(-1, probs.shape[-1]), tied.reshape(-1), out.reshape(-1, k)
+    for r in np.flatnonzero(flat_t):
+        flat_o[r] = torch_topk_row(flat_p[r], k)
+    return flat_o.reshape(out.shape)
+
+
+def torch_topk_row(values, k: int) -> list[int]:
+    """The indices torch's CPU ``topk(values, k)`` (largest, sorted, ``64 · k > n``) returns for one row: libstdc++'s
+    ``std::nth_element`` (introselect: median-of-three pivot moved to the front, Hoare partition, insertion sort
+    of the last few) on (value, index) pairs compared by value alone, then ``std::sort`` of the first ``k - 1``
+    (an insertion sort: at most 16). Equal values are never reordered by index. (The selection's depth limit,
+    ``2 · log2(n)``, past which libstdc++ switches to a heap select, is not reached on rows of equal values, which
+    the partition splits evenly; were it reached, the rest is taken in stable order.)"""
+    q = [(float(v), j) for j, v in enumerate(values)]
+    n = len(q)
+    above = lambda a, b: q[a][0] > q[b][0]
+
+    def swap(a, b):
+        q[a], q[b] = q[b], q[a]
+
+    def insertion_sort(first, last):
+        for i in range(first + 1, last):
+            val, j = q[i], i
+            if val[0] > q[first][0]:
+                q[first + 1:i + 1] = q[first:i]
+                q[first] = val
+                continue
+            while val[0] > q[j - 1][0]:
+                q[j] = q[j - 1]
+                j -= 1
+            q[j] = val
+
+    first, last, nth = 0, n, k - 1
+    depth = 2 * (n.bit_length() - 1)
+    while last - first > 3:
+        if depth == 0:
+            q[first:last] = sorted(q[first:last], key=lambda p: -p[0])
+            break
+        depth -= 1
+        a, b, c = first + 1, first + (last - first) // 2, last - 1
+        if above(a, b):
+            swap(first, b if above(b, c) else c if above(a, c) else a)
+        else:
+            swap(first, a if above(a, c) else c if above(b, c) else b)
+        lo, hi = first + 1, last
+        while True:
+            while above(lo, first):
+                lo += 1
+            hi -= 1
+            while above(first, hi):
+                hi -= 1
+            if not lo < hi:
+                break
+            swap(lo, hi)
+            lo += 1
+        if lo <= nth:
+            first = lo
+        else:
+            last = lo
+    else:
+        insertion_sort(first, last)
+    insertion_sort(0, k - 1)
+    return [j for _, j in q[:k]]
+
+
+def expert_outputs(x: Float[Array, "tokens hidden"], indices: Int[Array, "tokens top_k"],
+                   gate_up: Float[Array, "experts hidden two_mlp"], down: Float[Array, "experts mlp hidden"],
+                   act: str, dense: bool | None = None) -> Float[Array, "tokens top_k hidden"]:
+    """Each chosen expert's output for each token: ``down_e(act(gate_e(x)) · up_e(x))`` with ``gate_up[e]`` the
+    gate's columns then the up's (``[hidden, 2 · mlp]``). ``dense``: None chooses (the dense product for at most
+    ``DENSE_EXPERTS`` experts and ``DENSE_PAIRS`` pairs, else ``grouped``), True / False force it."""
+    tokens, k = indices.shape
+    if dense is None:
+        dense = gate_up.shape[0] <= DENSE_EXPERTS and tokens * k <= DENSE_PAIRS
+    f = activation(act)
+    if dense:
+        h = jnp.einsum("th,ehm->etm", x, gate_up)
+        gate, up = jnp.split(h, 2, axis=-1)
+        y = jnp.einsum("etm,emh->eth", f(gate) * up, down)               # [experts, tokens, hidden]
+        return jnp.take_along_axis(jnp.swapaxes(y, 0, 1), indices[..., None], axis=1)
+    return grouped(x, indices, lambda xs, e: _expert(xs, gate_up[e], down[e], f), gate_up.shape[0])
+
+
+def _expert(xs, gate_up, down, f):
+    gate, up = jnp.split(xs @ gate_up, 2, axis=-1)
+    return (f(gate) * up) @ down
+
+
+def tile_rows(pairs: int, experts: int) -> int:
+    """The rows of one tile of the grouped product: a power of two near a quarter of an expert's mean share of
+    the ``pairs`` (so padding each expert's group to whole tiles adds about an eighth), between 8 and 128."""
+    share = max(1, pairs // (4 * experts))
+    return int(min(128, max(8, 1 << (share.bit_length() - 1))))
+
+
+def grouped(x: Float[Array, "tokens hidden"], indices: Int[Array, "tokens top_k"], expert, experts: int,
+            tile: int | None = None) -> Float[Array, "tokens top_k out"]:
+    """``expert(rows, e)`` (rows ``[tile, hidden]`` of tokens that chose expert ``e``) for every chosen (token,
+    expert) pair, as ``[tokens, top_k, out]``, without forming any expert for the tokens that did not choose it.
+
+    The ``tokens · top_k`` pairs are sorted by expert and each expert's group is padded to whole tiles of
+    ``tile`` rows (``tile_rows``); a ``lax.scan`` over the tiles (at most ``pairs / tile + experts``, a static
+    bound) runs each tile through its expert. Memory is O(pairs · hidden) and the work that of the pairs plus the
+    padding, whatever the number of experts (``jax.lax.ragged_dot`` lowers to every expert for every row on the
+    CPU and has no batching rule for ``vmap``; this has both)."""
+    tokens, k = indices.shape
+    pairs = tokens * k
+    tile = tile or tile_rows(pairs, experts)
+    flat = indices.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                                # pair order grouped by expert
+    sizes = jnp.bincount(flat, length=experts)
+    padded = (sizes + tile - 1) // tile * tile
+    start, padded_start = jnp.cumsum(sizes) - sizes, jnp.cumsum(padded) - padded
+    sorted_expert = flat[order]
+    slot = padded_start[sorted_expert] + jnp.arange(pairs) - start[sorted_expert]   # each sorted pair's padded row
+    tiles = -(-pairs // tile) + experts
+    source = jnp.full((tiles * tile,), pairs, jnp.int32).at[slot].set(jnp.arange(pairs, dtype=jnp.int32))
+    rows = jnp.concatenate([x, jnp.zeros((1, x.shape[-1]), x.dtype)])[
+        jnp.concatenate([order // k, jnp.array([tokens])])[source]]          # padding rows read zeros
+    tile_expert = jnp.clip(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(tiles) * tile, side="right"), 0,
+                           experts - 1)
+
+    def step(_, t):
+        rows_t, e = t
+        return None, expert(rows_t, e)
+
+    _, y = jax.lax.scan(step, None, (rows.reshape(tiles, tile, -1), tile_expert))
+    y = y.reshape(tiles * tile, -1)[slot]                                   # [pairs, out], sorted by expert
+    return jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(tokens, k, -1)
+
+
+def combine(outputs: Float[Array, "... top_k hidden"], weights: Float[Array, "... top_k"],
+            indices: Int[Array, "... top_k"]) -> Float[Array, "... hidden"]:
+    """``Σ_k weights[k] · outputs[k]`` as transformers sums it: each contribution formed in the promoted dtype of
+    the two and cast to the outputs' dtype, then added in ascending expert order (its ``index_add_`` loop over
+    experts), each add in that dtype."""
+    dtype = outputs.dtype
+    contributions = (outputs * weights[..., None]).astype(dtype)
+    if outputs.shape[-2] > 2:  # with two, the order of one add does not matter
+        by_expert = jnp.argsort(indices, axis=-1, stable=True)
+        contributions = jnp.take_along_axis(contributions, by_expert[..., None], axis=-2)
+    total = contributions[..., 0, :]
+    for j in range(1, outputs.shape[-2]):
+        total = total + contributions[..., j, :]
+    return total

@@ -1,0 +1,130 @@
+"""The mixture-of-experts MLP (``MoEMLP``): a router, ``experts`` gated MLPs of which each token takes ``top_k``,
+and optionally a shared expert behind a sigmoid gate (Qwen3.5-MoE). It is a ``Block``'s ``mlp``.
+
+    router_logits   = x @ router                                   # [batch, seq, experts], editable: re-routes
+    router_weights, expert_indices = route(router_logits)          # softmax (float32), top-k, renormalised
+    expert_outputs  = expert_e(x) for each chosen e                # [batch, seq, top_k, hidden], before weighting
+    mlp_output      = Σ_k router_weights[k] · expert_outputs[k]  (+ sigmoid(x @ shared_gate) · shared(x))
+
+The families differ only in numbers: ``normalize`` (renormalise the top-k weights: Mixtral, Qwen3-VL-MoE,
+Qwen3.5-MoE always; Qwen3-MoE and OLMoE by ``norm_topk_prob``) and ``weights_in_float32`` (Mixtral keeps the
+weights in float32 and weights each expert's output in float32 before the cast; the others cast the weights to
+the logits' dtype first). The grouped product is ``kernels.moe.expert_outputs``: O(tokens · top_k) memory.
+
+Weights are stored input-major: ``router`` ``[embed, experts]``, ``gate_up`` ``[experts, embed, 2 · mlp]`` (each
+expert's gate columns, then its up columns: transformers 5's fused ``experts.gate_up_proj`` transposed), ``down``
+``[experts, mlp, embed]``. Checkpoints spell the experts fused (transformers 5; Qwen3-VL-MoE's hub files store
+them transposed, taken as stored) or one tensor per expert (``experts.{e}.gate_proj.weight`` … or Mixtral's
+``w1`` / ``w3`` / ``w2``), gathered into the stacked leaf at load (``Entry.alternatives``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import numpy as np
+from jaxtyping import Array, Float
+
+from jstd.core.config import ModelConfig
+from jstd.core.tap import Taps
+from jstd.kernels.moe import combine, expert_outputs, route
+from jstd.models.base import param, shape
+from jstd.models.mlp import GatedMLP
+from jstd.models.namemap import Entry, linear
+
+# the per-expert spellings of (gate, up, down): transformers' module names, and Mixtral's hub files'
+PER_EXPERT = {"proj": ("gate_proj", "up_proj", "down_proj"), "w": ("w1", "w3", "w2")}
+
+
+class MoEMLP(eqx.Module):
+    """A mixture-of-experts MLP; taps ``mlp.router_logits``, ``mlp.router_weights``, ``mlp.expert_indices``,
+    ``mlp.expert_outputs`` and (with a shared expert) ``mlp.shared_expert_output``; returns what the block adds."""
+
+    router: Float[Array, "embed experts"] = param("embed", "experts")
+    gate_up: Float[Array, "experts embed two_mlp"] = param("experts", "embed", "mlp")
+    down: Float[Array, "experts mlp embed"] = param("experts", "mlp", "embed")
+    shared: GatedMLP | None
+    shared_gate: Float[Array, "embed 1"] | None = param("embed", "expert_gate")
+    top_k: int = eqx.field(static=True)
+    normalize: bool = eqx.field(static=True)
+    weights_in_float32: bool = eqx.field(static=True)
+    act: str = eqx.field(static=True)
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        routed = ("router_logits", "router_weights", "expert_indices", "expert_outputs")
+        return routed + (("shared_expert_output",) if self.shared is not None else ())
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.shape[-1]
+
+    def __call__(self, x: Float[Array, "batch seq embed"], s: Taps) -> Float[Array, "batch seq embed"]:
+        batch, seq, embed = x.shape
+        logits = s("mlp.router_logits", x @ self.router)
+        weights, indices = route(logits, self.top_k, self.normalize,
+                                 np.float32 if self.weights_in_float32 else logits.dtype)
+        weights = s("mlp.router_weights", weights)
+        indices = s("mlp.expert_indices", indices)
+        outputs = expert_outputs(x.reshape(-1, embed), indices.reshape(-1, self.top_k), self.gate_up, self.down,
+                                 self.act)
+        outputs = s("mlp.expert_outputs", outputs.reshape(batch, seq, self.top_k, embed))
+        y = combine(outputs, weights, indices)
+        if self.shared is not None:
+            shared = s("mlp.shared_expert_output", jax.nn.sigmoid(x @ self.shared_gate) * self.shared(x, _Quiet()))
+            y = y + shared
+        return y
+
+    def entries(self, names=None) -> list[Entry]:
+        """Its checkpoint tensors relative to it: ``gate.weight`` (the router), the experts fused
+        (``experts.gate_up_proj``, ``experts.down_proj``) or one per expert (``names["experts"]``: ``"proj"``
+        for ``experts.{e}.gate_proj.weight`` …, ``"w"`` for Mixtral's ``w1`` / ``w3`` / ``w2``), and the shared
+        expert (``shared_expert.*``, ``shared_expert_gate.weight``) where it has one."""
+        experts, (embed, two_mlp) = self.num_experts, self.gate_up.shape[-2:]
+        gate, up, down = PER_EXPERT[(names or {}).get("experts", "proj")]
+        per = lambda *parts: tuple(f"experts.{e}.{p}.weight" for e in range(experts) for p in parts)
+        # transformers 5's [experts, out, in], transposed; as stored where the shape says it is ours (Qwen3-VL-MoE's
+        # hub files; a square one is taken as transformers 5's, as its loader takes it)
+        as_stored = lambda *ours: lambda w: w if w.shape[1:] == ours and ours[0] != ours[1] else w.transpose(0, 2, 1)
+        fused_gate_up, fused_down = as_stored(embed, two_mlp), as_stored(two_mlp // 2, embed)
+        entries = [
+            Entry("gate.weight", "router", linear),
+            Entry("experts.gate_up_proj", "gate_up", fused_gate_up, alternatives=(
+                Entry(per(gate, up), "gate_up", lambda w: w.reshape(experts, two_mlp, embed).transpose(0, 2, 1)),)),
+            Entry("experts.down_proj", "down", fused_down, alternatives=(
+                Entry(per(down), "down", lambda w: w.reshape(experts, embed, two_mlp // 2).transpose(0, 2, 1)),)),
+        ]
+        if self.shared is not None:
+            entries += [e.under("shared_expert.", "shared.") for e in self.shared.entries()]
+            entries.append(Entry("shared_expert_gate.weight", "shared_gate", linear))
+        return entries
+
+    @classmethod
+    def skeleton(cls, embed: int, mlp: int, experts: int, top_k: int, act: str, normalize: bool, dtype,
+                 weights_in_float32: bool = False, shared_mlp: int | None = None) -> "MoEMLP":
+        """``experts`` SwiGLU experts ``embed`` -> ``mlp`` -> ``embed`` of which each token takes ``top_k``; a
+        shared expert ``mlp`` = ``shared_mlp`` wide behind a sigmoid gate where ``shared_mlp`` is given."""
+        if not 0 < top_k <= experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts ({experts})")
+        shared = None if shared_mlp is None else GatedMLP.skeleton(embed, shared_mlp, act, False, dtype)
+        return cls(shape(embed, experts, dtype=dtype), shape(experts, embed, 2 * mlp, dtype=dtype),
+                   shape(experts, mlp, embed, dtype=dtype), shared,
+                   None if shared_mlp is None else shape(embed, 1, dtype=dtype), top_k, normalize,
+                   weights_in_float32, act)
+
+
+def with_experts(config: ModelConfig, experts: int, top_k: int) -> ModelConfig:
+    """``config`` with the router's sizes (``num_experts``, ``experts_per_token``)."""
+    return dataclasses.replace(config, num_experts=int(experts), experts_per_token=int(top_k))
+
+
+class _Quiet:
+    """The taps of the shared expert's interior: none (its values are not standard sites)."""
+
+    def __call__(self, site: str, value: Array) -> Array:
+        return value
+
+    def touches(self, *sites: str) -> bool:
+        return False

@@ -1,0 +1,221 @@
+"""Splicing a dictionary into the forward at a site: ``jstd.splice`` and the ``Splice`` edit.
+
+A spliced dictionary runs at its site inside the forward and serves three values under it (``core/sites.py``,
+``SAE_SITES``): ``X.sae.latents`` ``[batch, seq, d_sae]``, ``X.sae.reconstruction`` and ``X.sae.error``, each
+read and edited like any block site (``"layers.X.sae.latents"`` stacked over the blocks that compute X, zeros at
+blocks where nothing is spliced; ``"layers.3.X.sae.latents"`` block 3 alone). What the site passes on:
+
+- nothing under it edited: the site's value ``x`` itself, so an unedited spliced run is bit-identical to the
+  plain run (the dictionary only adds what is read);
+- the latents edited (ablated, clamped, steered) and neither the reconstruction nor the error:
+  ``x + (decode(latents edited) - decode(latents))``, which is ``reconstruction + error`` with the error of the
+  unedited latents added back, computed so that wherever the edit leaves the latents as they were (other
+  positions, blocks, rows) the value is ``x`` bit for bit, and downstream gets exactly the change in the
+  reconstruction (computed in the wider of the dictionary's and the model's dtype, then cast to the model's);
+- the reconstruction or the error edited: ``reconstruction + error`` as edited (``Zero`` at ``X.sae.error``:
+  the model runs on the dictionary's reconstruction alone).
+
+A transcoder reads one site (``source``, e.g. ``layers.mlp_norm_output``) and replaces another (``site``, e.g.
+``layers.mlp.mlp_output``) the same way: its error is ``output - reconstruction``. Both sites lie in one block,
+the source computed first.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from jstd.core.edits import Edit
+from jstd.core.sites import SITES, SiteError, parse
+from jstd.models.base import Model
+from jstd.run import check_sites
+from jstd.sae.format import site_of
+from jstd.sae.module import SAE, stack
+
+_SOURCES = "_sae_sources"  # the Tap attribute holding transcoders' inputs while one block traces
+
+
+def sae_site(site: str, name: str) -> str:
+    """The whole name of a spliced dictionary's value ``name`` (``latents``, ``reconstruction``, ``error``) at
+    ``site`` (``layers.layer_output`` -> ``layers.layer_output.sae.latents``); a block index is kept
+    (``layers.3.layer_output`` -> ``layers.3.layer_output.sae.latents``)."""
+    full = f"{site}.sae.{name}"
+    parse(full)  # SiteError for a site that has no dictionary values
+    return full
+
+
+class Source(Edit):
+    """A transcoder's input: passes the value at ``site`` through unchanged and hands it to the ``Splice`` at
+    ``target`` in the same block. Made by ``jstd.splice``."""
+
+    target: str = eqx.field(static=True)
+
+    def __init__(self, site: str, target: str):
+        self._init_site(site, None, None)
+        self.target = target
+
+    def op(self, value):
+        return value
+
+    def within(self, value: Array, scope) -> Array:
+        if not hasattr(scope.tap, _SOURCES):
+            setattr(scope.tap, _SOURCES, {})
+        getattr(scope.tap, _SOURCES)[self.target] = value
+        return value
+
+
+class Splice(Edit):
+    """A dictionary run at ``site`` inside the forward (see the module docstring for what it passes on).
+
+    sae: one dictionary, or a stack (``jstd.sae.stack``) with one per block of ``layers`` (or, with
+        ``layers=None``, one per block that computes the site).
+    layers: the blocks it runs at (non-negative ints, static); None: every block that computes the site.
+    source: a transcoder's input site (whole name); None for an autoencoder, which reads the site itself.
+    Build it with ``jstd.splice``, which checks it against the model.
+    """
+
+    sae: SAE
+    layers: tuple[int, ...] | None = eqx.field(static=True)
+    source: str | None = eqx.field(static=True)
+
+    def __init__(self, site: str, sae: SAE, *, layers: Sequence[int] | None = None, source: str | None = None):
+        self._init_site(site, None, None)
+        if f"{self.site}.sae.latents" not in SITES:
+            raise SiteError(f"a dictionary cannot be spliced at {site!r}: jstd splices at text block sites of one "
+                            "row per position (layers.layer_output, layers.mlp.mlp_output, …)")
+        if not isinstance(sae, SAE):
+            raise TypeError(f"Splice: sae must be a jstd.sae.SAE, got {type(sae).__name__}")
+        self.sae = sae
+        self.layers = None if layers is None else tuple(int(i) for i in layers)
+        self.source = source
+
+    def op(self, value):
+        raise SiteError("a Splice runs inside the forward, at its site: pass it among jstd.run's edits")
+
+    def _sub(self, name: str) -> str:
+        return f"{SITES[self.site].relative}.sae.{name}"
+
+    def within(self, x: Array, scope) -> Array:
+        spliced = [e for e in scope.tap.edits.get(self.site, ()) if isinstance(e, Splice)]
+        if len(spliced) > 1:
+            raise SiteError(f"{len(spliced)} dictionaries are spliced at {self.site}: splice one there, stacked "
+                            "over its blocks (jstd.sae.stack, jstd.splice(model, stacked, site, layer=(…)))")
+        sae, active = self.sae, None
+        if self.layers is None:
+            if sae.stacked:
+                sae = sae[scope.stack_index]
+        else:
+            match = jnp.asarray(self.layers) == scope.layer
+            active = match.any()
+            if sae.stacked:
+                sae = sae[jnp.argmax(match)]
+        if self.source is None:
+            x_in = x
+        else:
+            x_in = getattr(scope.tap, _SOURCES, {}).get(self.site)
+            if x_in is None:
+                raise SiteError(f"the transcoder at {self.site} reads {self.source}, which this block did not "
+                                "compute before it")
+        latents = sae.encode(x_in)
+        if active is not None:
+            latents = jnp.where(active, latents, jnp.zeros_like(latents))
+        edited = scope.tap.edits
+        whole = lambda name: scope.prefix + self._sub(name)
+        new_latents = scope(self._sub("latents"), latents)
+        wide = jnp.promote_types(x.dtype, sae.dtype)
+        if whole("latents") in edited and not (whole("reconstruction") in edited or whole("error") in edited):
+            # x plus the change in the reconstruction: x itself, bit for bit, wherever the latents are unedited
+            out = (x.astype(wide) + sae.decode_change(new_latents, latents, x_in).astype(wide)).astype(x.dtype)
+        else:
+            out = x
+        if scope.touches(self._sub("reconstruction"), self._sub("error")):  # computed only when read or edited
+            recon = sae.decode(latents, x_in)
+            new_recon = sae.decode(new_latents, x_in) if whole("latents") in edited else recon
+            read_recon = scope(self._sub("reconstruction"), new_recon.astype(x.dtype))
+            read_error = scope(self._sub("error"), x - recon.astype(x.dtype))
+            if whole("reconstruction") in edited or whole("error") in edited:
+                out = read_recon + read_error
+        return out if active is None else jnp.where(active, out, x)
+
+
+def splice(model: Model, sae: SAE | Sequence[SAE], site: str | None = None, layer=None, *,
+           source: str | None = None) -> tuple[Edit, ...]:
+    """The edits that splice ``sae`` into ``model``'s forward at ``site``: pass them among ``jstd.run``'s (or
+    ``jstd.generate``'s, a sweep's) edits, with edits of ``site + ".sae.latents"`` and reads of the values under
+    the site.
+
+    sae: one dictionary (``jstd.sae.SAE``), a stack of them (``jstd.sae.stack``) or a sequence (stacked here),
+        one per block of ``layer``.
+    site: a text block site (``layers.layer_output``, ``layers.3.layer_output``); None: the dictionary's
+        ``hook_name`` (a TransformerLens hook or a jstd site), ``hook_name_out`` for a transcoder.
+    layer: a block, a sequence of blocks, or None (every block that computes the site; a stack then has one
+        dictionary per such block; one dictionary runs at each).
+    source: a transcoder's input site (None: its ``hook_name``); it must lie in the same block, before ``site``.
+
+    Several sites: concatenate the edits of several ``splice`` calls (one dictionary, or one stack, per site).
+    Raises SiteError for a site the model does not serve or that takes no dictionary, blocks that do not compute
+    it, a width that does not match the site's, or a stack whose length differs from the blocks'.
+    """
+    if not isinstance(sae, SAE):
+        sae = stack(list(sae))
+    if site is None:
+        hook = sae.hook_name_out if sae.transcoder else sae.hook_name
+        if hook is None:
+            raise SiteError("splice: the dictionary names no site (no hook_name); pass site=")
+        site, at = site_of(hook)
+        layer = at if layer is None else layer
+    base, index = parse(site)
+    if index is not None:
+        if layer is not None:
+            raise SiteError(f"splice: {site!r} already names block {index}; drop layer={layer!r}")
+        layer = index
+    check_sites(model, [base], "splice at")
+    if f"{base}.sae.latents" not in SITES:
+        raise SiteError(f"splice: a dictionary cannot be spliced at {base!r}: jstd splices at text block sites of one "
+                        "row per position (layers.layer_output, layers.mlp.mlp_output, …)")
+    blocks = model.blocks_for(base)
+    L = model.depth(SITES[base].stack)
+    if layer is None:
+        layers = None
+        n = len(blocks)
+    else:
+        wanted = [layer] if np.ndim(layer) == 0 else list(np.asarray(layer).reshape(-1))
+        layers = tuple(int(model.check_block(base, int(i), "splice")) % L for i in wanted)
+        if len(set(layers)) != len(layers):
+            raise SiteError(f"splice: layer={layer!r} names a block twice")
+        n = len(layers)
+    if sae.stacked and sae.stacked != (n,):
+        raise SiteError(f"splice: the stacked dictionary holds {sae.stacked[0] if sae.stacked else 1} dictionaries "
+                        f"for {n} blocks of {base}; pass one per block")
+    width = _width(model, base)
+    want_out = sae.d_out
+    if want_out != width:
+        raise SiteError(f"splice: the dictionary writes {want_out} features wide, but {base} is {width} wide "
+                        f"[{', '.join(SITES[base].layout)}]; splice it where it was trained")
+    if sae.transcoder:
+        source = source or (site_of(sae.hook_name)[0] if sae.hook_name else None)
+        if source is None:
+            raise SiteError("splice: a transcoder reads a source site; pass source= (e.g. 'layers.mlp_norm_output')")
+        source = parse(source)[0]
+        check_sites(model, [source], "splice: source")
+        if not SITES[source].per_block or SITES[source].stack != SITES[base].stack:
+            raise SiteError(f"splice: the transcoder's source {source} must be a block site of {SITES[base].stack}")
+        if _width(model, source) != sae.d_in:
+            raise SiteError(f"splice: the transcoder reads {sae.d_in} features, but {source} is "
+                            f"{_width(model, source)} wide")
+        return Source(source, base), Splice(base, sae, layers=layers, source=source)
+    if source is not None:
+        raise SiteError("splice: source= is for transcoders; an autoencoder reads the site it is spliced at")
+    if sae.d_in != width:
+        raise SiteError(f"splice: the dictionary reads {sae.d_in} features, but {base} is {width} wide")
+    return (Splice(base, sae, layers=layers),)
+
+
+def _width(model: Model, site: str) -> int:
+    axis = SITES[site].layout[-1]
+    return {"hidden": model.config.hidden_size, "mlp": model.config.intermediate_size}[axis]

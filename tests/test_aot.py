@@ -1,0 +1,132 @@
+"""Deviceless compiles for TPU and GPU targets (jstd.aot, the ``aot`` extra): jstd's programs compile for a v5e:2x2
+slice and for H200s, fit their chips, gather no sharded weight whole under FSDP_TP; a layout that does not fit is
+refused with its numbers; the Pallas gated-delta kernel compiles with Mosaic, per shard. Skipped, with the reason, where the extra is not installed (``make aot``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent package is absent
+        return False
+
+
+MISSING = [name for name in ("libtpu", "jax_plugins.xla_cuda12") if not _installed(name)]
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"the aot extra is not installed (no {', '.join(MISSING)}): "
+                                                       "make aot, or pip install -e '.[aot]'")
+
+# Llama-shaped, small enough to compile in seconds, with weights above the whole-gather threshold (1M elements)
+SMALL = dict(model_type="llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=4, vocab_size=4096, max_position_embeddings=512, rms_norm_eps=1e-5)
+SHAPE = dict(batch=4, seq=64)
+# Llava-1.5's tower widths (CLIP ViT-L: 1024 wide, MLP 4096) on 112-pixel images (64 patches), a small text model
+SMALL_LLAVA = dict(model_type="llava", image_token_index=4000, projector_hidden_act="gelu", vision_feature_layer=-2,
+                   vision_feature_select_strategy="default",
+                   vision_config=dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
+                                      num_hidden_layers=2, num_attention_heads=16, image_size=112, patch_size=14,
+                                      hidden_act="quick_gelu"),
+                   text_config={**SMALL, "num_hidden_layers": 2})
+
+
+@pytest.fixture(scope="module")
+def aot():
+    import jstd.aot
+
+    return jstd.aot
+
+
+@pytest.fixture(scope="module")
+def v5e(aot):
+    return aot.target("v5e:2x2")
+
+
+@pytest.fixture(scope="module")
+def h200(aot):
+    return aot.target("8xh200")
+
+
+def test_targets(aot, v5e, h200):
+    assert v5e.platform == "tpu" and v5e.chips == 4 and v5e.chip_memory == 16 << 30
+    assert h200.platform == "cuda" and h200.chips == 8 and h200.devices[0].device_kind == "NVIDIA H200"
+    with pytest.raises(ValueError, match="unknown target 'v9z:2x2'.*v5e:16x16"):
+        aot.target("v9z:2x2")
+
+
+@pytest.mark.parametrize("name", ["forward", "grad", "sweep", "generate"])
+def test_programs_compile_and_fit_on_v5e(aot, v5e, name):
+    report = aot.check(aot.compile(SMALL, v5e, program_name=name, layout="FSDP_TP", model_axis=2, **SHAPE))
+    whole = 2 * (2 * 4096 * 1024 + 2 * (4 * 1024 * 1024 + 3 * 1024 * 4096))  # the bf16 model's bytes
+    assert report.fits and report.argument_bytes < whole / 3  # split over the 4 chips, not replicated
+    assert report.whole_gathers == []
+    assert report.flops and report.flops > 0
+    assert sum(n for n, _ in report.collectives.values()) > 0
+
+
+def test_forward_on_h200(aot, h200):
+    report = aot.check(aot.compile(SMALL, h200, program_name="forward", layout="FSDP_TP", **SHAPE))
+    assert report.mesh == {"data": 1, "model": 8} and report.fits and report.whole_gathers == []
+
+
+def test_a_layout_that_does_not_fit_is_refused(aot, v5e):
+    """On chips of 24 MiB the replicated layout (DP) does not fit and FSDP_TP does: refused with the numbers."""
+    small_chips = dataclasses.replace(v5e, chip_memory=24 << 20)
+    dp = aot.compile(SMALL, small_chips, program_name="forward", layout="DP", model_axis=2, **SHAPE)
+    with pytest.raises(aot.DoesNotFit, match=r"forward under DP on v5e:2x2 .* needs \d+\.\d+ GiB per chip "
+                                             r"\(arguments .*a chip holds 0\.02 GiB"):
+        aot.check(dp)
+    assert aot.check(aot.compile(SMALL, small_chips, program_name="forward", layout="FSDP_TP", model_axis=2,
+                                 **SHAPE)).fits
+
+
+def test_whole_weight_gathers_are_found(aot, v5e):
+    """The check's own control: a program that replicates a sharded weight is reported, by path and shape."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jstd.aot.report import compile_report
+    from jstd.sharding import FSDP_TP, mesh
+
+    m = mesh(2, 2, devices=v5e.devices)
+    model = aot.abstract_model(aot.config(SMALL), m, FSDP_TP)
+    whole = lambda model: jax.lax.with_sharding_constraint(model.embed, NamedSharding(m, PartitionSpec())) * 2
+    report, _ = compile_report(whole, (model,), v5e, mesh=m)
+    assert report.whole_gathers == ["embed [4096, 1024]"]
+
+
+def test_llava_tower_is_tensor_parallel(aot, v5e):
+    """A wrapper's tower under FSDP_TP: no tower or projector weight gathered whole (2 tower blocks, 2 text)."""
+    report = aot.check(aot.compile(SMALL_LLAVA, v5e, program_name="forward", layout="FSDP_TP", model_axis=2,
+                                   batch=2, seq=80))
+    assert report.whole_gathers == []
+    # the check's control on the same model: FSDP alone gathers each block's weights whole, by design
+    fsdp = aot.compile(SMALL_LLAVA, v5e, program_name="forward", layout="FSDP", model_axis=2, batch=2, seq=80)
+    assert any(g.startswith("vision.layers.") for g in fsdp.whole_gathers), fsdp.whole_gathers
+
+
+def test_pallas_kernel_compiles_with_mosaic_per_shard(aot, v5e):
+    """The gated-delta kernel on a 2 x 2 v5e mesh: rows and heads split by its shard_map, Mosaic compiles it."""
+    from jstd.aot.kernels import mosaic
+
+    report, compiled = mosaic(v5e, batch=2, seq=128, qk_heads=2, heads=4)
+    assert "tpu_custom_call" in compiled.as_text() and report.fits
+
+
+def test_float32_products_on_tpu_need_the_highest_precision(v5e):
+    """What README's numerics note says: XLA:TPU compiles a float32 product at its default precision (bfloat16
+    passes) unless the highest is asked for (jax.default_matmul_precision)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    a = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=NamedSharding(Mesh(v5e.devices, ("x",)),
+                                                                             PartitionSpec()))
+    hlo = {}
+    for precision in ("default", "highest"):
+        with jax.default_matmul_precision(precision):
+            hlo[precision] = jax.jit(lambda a, b: a @ b).lower(a, a).compile().as_text()
+    assert "operand_precision={highest,highest}" in hlo["highest"]
+    assert "operand_precision" not in hlo["default"]
