@@ -85,22 +85,41 @@ def jstd_call(model, inputs, always: tuple = ()):
     return lambda reads: jax.block_until_ready(run(model, inputs, reads=always + reads))
 
 
-def forward_callables(folder, tokens):
-    """``(torch_forward, jstd_forward)`` for the causal LM in ``folder`` on ``tokens`` (as ``compare`` takes them):
-    transformers' model with sdpa attention in float32, and the blocked ``jax.jit(jstd.run)``."""
+def torch_causal_lm(folder):
+    """transformers' causal LM in ``folder`` in float32 with sdpa attention, or with eager attention where the
+    family refuses sdpa (Gemma 2: sdpa has no soft-capping of the scores). Its ``config._attn_implementation``
+    says which."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    load = lambda attention: AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention,
+                                                                  dtype=torch.float32).eval()
+    try:
+        return load("sdpa")
+    except ValueError as error:  # "... does not support an attention implementation through ...sdpa... yet"
+        if "scaled_dot_product_attention" not in str(error):
+            raise
+        return load("eager")
+
+
+def forward_callables(folder, tokens):
+    """``(torch_forward, jstd_forward, attention)`` for the causal LM in ``folder`` on ``tokens`` (the callables as
+    ``compare`` takes them): transformers' model in float32 (``torch_causal_lm``: sdpa attention, or eager where
+    the family refuses sdpa; ``attention`` names which), and the blocked ``jax.jit(jstd.run)``."""
+    import torch
+
     import jstd
 
-    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
+    ref = torch_causal_lm(folder)
     torch_forward = torch_call(ref, "logits", input_ids=torch.as_tensor(tokens))
-    return torch_forward, jstd_call(jstd.load(folder), tokens)
+    return torch_forward, jstd_call(jstd.load(folder), tokens), ref.config._attn_implementation
 
 
 def forward_timings(folder, tokens, reads, repeats: int) -> dict:
-    """``compare`` for the causal LM in ``folder`` (torch with sdpa, float32) on ``tokens``."""
-    return compare(*forward_callables(folder, tokens), reads, repeats)
+    """``compare`` for the causal LM in ``folder`` (torch in float32, ``torch_causal_lm``) on ``tokens``, and
+    ``attention``: the torch model's attention implementation (``sdpa``, or ``eager`` where sdpa is refused)."""
+    torch_forward, jstd_forward, attention = forward_callables(folder, tokens)
+    return {**compare(torch_forward, jstd_forward, reads, repeats), "attention": attention}
 
 
 def forward_rows(t_torch: float, t_jstd: float, t_reads: float, per_call: int, unit: str, detail: str, read_what: str,

@@ -27,6 +27,7 @@ from jstd.models.olmoe import Olmoe
 from jstd.models.qwen3_5_moe import Qwen3_5MoeText
 from jstd.models.qwen3_moe import Qwen3Moe, Qwen3VLMoeText
 from jstd.vision.deepseek_vl import DeepseekVL
+from jstd.vision.gemma3 import Gemma3
 from jstd.vision.idefics3 import Idefics3, SmolVLM
 from jstd.vision.llava import Llava, VipLlava
 from jstd.vision.llava_next import LlavaNext
@@ -40,7 +41,7 @@ FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwen3_5T
                            Mistral, Qwen2, Gemma2, Gemma3Text, Olmo3,
                            CLIPVision, SiglipVision, Llava,
                            VipLlava, DeepseekVL, LlavaNext, Idefics3, SmolVLM, QwenVisionTower, Qwen2VL,
-                           HyperCLOVAXVisionV2, Qwen3VLText, Qwen3VL, Qwen3VisionTower, Qwen3_5VL)
+                           HyperCLOVAXVisionV2, Qwen3VLText, Qwen3VL, Qwen3VisionTower, Qwen3_5VL, Gemma3)
             for t in f.model_types}
 
 # the mixture-of-experts families (jstd.models.moe)
@@ -63,6 +64,11 @@ def family_for(model_type: str | None, where: str = "the config"):
     return FAMILIES[model_type]
 
 
+# where transformers' default config is not one its model runs, the changes that make it one (the sites are the
+# same): Gemma 3's default SigLIP has a 14 × 14 patch grid, which 256 image tokens cannot pool
+WORKING_DEFAULTS = {"gemma3": {"mm_tokens_per_image": 196}}
+
+
 def served_sites() -> dict[str, tuple[str, ...]]:
     """Site -> the families and towers that serve it, from each family's model on transformers' default config
     for its first model_type (shapes only: no weights are made)."""
@@ -71,7 +77,8 @@ def served_sites() -> dict[str, tuple[str, ...]]:
 
     served: dict[str, list[str]] = {}
     for family in dict.fromkeys(FAMILIES.values()):
-        model = family.skeleton(AutoConfig.for_model(family.model_types[0]), jnp.float32)
+        model_type = family.model_types[0]
+        model = family.skeleton(AutoConfig.for_model(model_type, **WORKING_DEFAULTS.get(model_type, {})), jnp.float32)
         for site in model.sites:
             served.setdefault(site, []).append(family.family)
     return {site: tuple(names) for site, names in served.items()}

@@ -31,6 +31,7 @@ from reference.moe import MoEQwenVLReference, MoEReference
 from reference.harness import LLAMA_PLAN, TorchReference
 from reference.vision import TowerReference, make_tower_checkpoint
 from reference.qwen_vl import QwenVLReference
+from reference.gemma3 import Gemma3Reference
 from reference.wrapper import WrapperReference, make_wrapper_checkpoint
 
 HYPERCLOVAX_PLAN = {
@@ -282,6 +283,10 @@ CASES: dict[str, Spec] = {
                             text_config=WRAPPER_TEXT, image_token_id=IMAGE_TOKEN, scale_factor=3,
                             tie_word_embeddings=True),
                         IDEFICS3_PATHS, idefics3_images),
+    # Gemma 3: SigLIP pooled 2 × 2 into 9 tokens an image, each image's tokens attending bidirectionally, a sliding
+    # window (4) shorter than an image (tests/gemma3_cases.py; its cases module reads this one, so imported late)
+    "gemma3": Spec(lambda: __import__("gemma3_cases").config(), make=make_wrapper_checkpoint, seed=4,
+                   images=lambda *a: __import__("gemma3_cases").images(*a), reference=Gemma3Reference),
     # the Qwen ViT line: every image of a call in one packed row, M-RoPE (Qwen2-VL, Qwen2.5-VL) or HyperCLOVA X text
     **{name: Spec(config, make=qwen_vl_cases.make_qwen_checkpoint, seed=5, images=qwen_vl_cases.qwen_images,
                   reference=QwenVLReference)
@@ -307,7 +312,7 @@ CASES.update({
                             k: v for k, v in qwen3_5_cases.PLAN.items() if not k.startswith("layers.mlp.mlp_") or k.endswith("output")})),
 })
 MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "qwen3_5_text-released", "clip", "siglip",
-        "llava", "idefics3", "qwen2_5_vl", "gemma-2b", "olmo2-1b",
+        "llava", "idefics3", "qwen2_5_vl", "gemma-2b",
         "gpt2-small", "gpt_neox-parallel", "qwen3_moe")
 TEXT_MAIN = tuple(c for c in MAIN if not CASES[c].tower and not CASES[c].wrapper)
 # the first case of each family and tower ("llama-mha", …, "llava"; a case's family is its name before "-")

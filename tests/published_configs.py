@@ -1,6 +1,7 @@
-"""The config.json of published checkpoints (Gemma 2 2B, Gemma 3 1B, Mistral 7B v0.1, Qwen2.5 0.5B, OLMo-3 7B) as
-the hub holds them, cut to 2 blocks: ``jstd.load`` must read every key (no ConfigWarning) and match transformers
-(``benchmarks/published_configs.py`` builds each at its published size with random weights)."""
+"""The config.json of published checkpoints (Gemma 2 2B, Gemma 3 1B, Mistral 7B v0.1, Qwen2.5 0.5B, OLMo-3 7B, Gemma 3
+4B's image-text model) as the hub holds them, cut to 2 (text) blocks: ``jstd.load`` must read every key (no
+ConfigWarning) and match transformers (``benchmarks/published_configs.py`` builds each at its published size with
+random weights; ``tiny`` cuts a wrapper's sizes for the suite, keeping every key)."""
 
 OLMO3_KINDS = ["sliding_attention"] * 3 + ["full_attention"]
 
@@ -51,11 +52,38 @@ CONFIGS = {
         "rope_theta": 500000, "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "transformers_version": "4.57.0", "use_cache": True, "vocab_size": 100278,
     },
+    "gemma-3-4b-it": {
+        "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+        "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+        "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                          "patch_size": 14, "vision_use_head": False},
+    },
 }
+# a wrapper's sizes cut for the suite (its other keys kept): 4 × 4 patches of 14 pooled 2 × 2, 2 tower blocks
+TINY = {"text_config": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2),
+        "vision_config": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=2,
+                              image_size=56),
+        "mm_tokens_per_image": 4}
+
+
+def tiny(name: str) -> dict:
+    """The published wrapper config ``name`` with the sizes in ``TINY`` (every key it holds kept)."""
+    config = dict(CONFIGS[name])
+    for key, value in TINY.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    return config
 
 
 def two_blocks(name: str, blocks: int = 2) -> dict:
     """The published config cut to ``blocks`` blocks (OLMo-3's layer_types: one sliding block, then a full one)."""
+    if "text_config" in CONFIGS[name]:  # a wrapper: its text model's blocks
+        return dict(CONFIGS[name], text_config=dict(CONFIGS[name]["text_config"], num_hidden_layers=blocks))
     config = dict(CONFIGS[name], num_hidden_layers=blocks)
     if "layer_types" in config:
         config["layer_types"] = OLMO3_KINDS[-blocks:]

@@ -4,6 +4,7 @@ holds the rest; the suite is cut in three files so two test workers share it).""
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,11 +98,24 @@ def test_edits_match_torch_hooks(zoo, name):
     clean = ref.run(ref_inputs, reads=(final_site(model),))[final_site(model)]
     tokens = inputs.tokens if isinstance(inputs, jstd.Inputs) else inputs
     seq = None if tokens is None else np.shape(tokens)[-1]
-    for label, edits, torch_edits in _edit_cases(model, seq):
-        out = jit_run(model, inputs, edits, reads=reads)
+    cases = _edit_cases(model, seq)
+
+    @jax.jit
+    def edited(on):  # every case's edits in one program, each case switched on by its ``where`` (one compile)
+        return jstd.run(model, inputs, [_switched(e, on[i]) for i, (_, edits, _) in enumerate(cases) for e in edits],
+                        reads=reads)
+
+    for i, (label, _, torch_edits) in enumerate(cases):
+        out = edited(jnp.arange(len(cases)) == i)
         want = ref.run(ref_inputs, reads=reads + ("logits",), edits=torch_edits)
         assert np.abs(want[final_site(model)] - clean).max() > 1e-3, f"{label}: the edit changes nothing"
         assert_sites_close(out, want, reads, 1e-5, f"{name}: {label}")
+
+
+def _switched(edit, on):
+    """``edit`` applied only where ``on`` (a traced boolean scalar) holds, beside its own ``where``."""
+    where = on if edit.where is None else jnp.logical_and(jnp.asarray(edit.where, bool), on)
+    return eqx.tree_at(lambda e: e.where, edit, where, is_leaf=lambda x: x is None)
 
 
 @main_case

@@ -272,6 +272,9 @@ def test_direct_logit_attribution(model, pair):
     close(dla.mlp[2], part[jnp.arange(2), target] - part[:, other], 1e-4)
     alone = jstd.direct_logit_attribution(model, tokens, 5, heads=False, position=3)
     assert alone.heads is None
+    assert dla.experts is None and dla.shared_expert is None  # a dense model: no per-expert split
+    with pytest.raises(NotImplementedError, match="needs a mixture-of-experts MLP"):
+        jstd.direct_logit_attribution(model, tokens, 5, experts=True)
     close(alone.total(), read(model, tokens).logits[:, 3, 5], 1e-4)
 
 

@@ -100,6 +100,64 @@ def test_rerouting_and_ablating_an_expert_match_transformers(zoo, name):
     assert sorted(idx[0, -2]) == list(range(experts - k, experts)) and (idx[:, -1] == np.asarray(clean)[:, -1]).all()
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
+def test_direct_logit_attribution_per_expert(zoo, name):
+    """Per-expert DLA: on every MoE block the experts' parts (and the shared expert's) sum to the block's MLP part,
+    and are zero on dense blocks and for experts a row did not choose; one chosen expert's part equals the change
+    of the block's MLP part, read through the final norm with its scale frozen at the clean stream and the head,
+    when that expert's output is zeroed at its place (and the shared expert's when its output is zeroed).
+    qwen3_moe: a dense block among MoE ones, the grouped product; qwen3_5_moe: a shared expert, a hybrid wrapper."""
+    model = zoo(name).model
+    inputs, _ = CASES[name].inputs(model, seed=3)
+    target, other = 5, 7
+    dla = jstd.direct_logit_attribution(model, inputs, target, other)
+    experts, mlp = np.asarray(dla.experts, np.float64), np.asarray(dla.mlp, np.float64)
+    blocks = list(model.blocks_for(M + "expert_outputs"))
+    dense = [b for b in range(model.depth()) if b not in blocks]
+    has_shared = M + "shared_expert_output" in model.sites
+    assert (dla.shared_expert is not None) == has_shared and experts.shape[-1] == model.config.num_experts
+    total = experts.sum(-1) + (np.asarray(dla.shared_expert, np.float64) if has_shared else 0)
+    assert_close(total[blocks], mlp[blocks], 1e-5, f"{name}: the experts sum to the MLP part")
+    assert not experts[dense].any()
+
+    # the clean run and each ablation through one compiled program: zero edits whose masks select nothing, or one
+    block, place = blocks[-1], 1
+    batch, seq = np.shape(inputs.tokens if isinstance(inputs, jstd.Inputs) else inputs)
+    k = model.config.experts_per_token
+    none = {"expert": np.zeros((batch, seq, k, 1), bool), "shared expert": np.zeros((batch, seq, 1), bool)}
+    sites = {"expert": M + "expert_outputs", "shared expert": M + "shared_expert_output"}
+    labels = ("expert", "shared expert") if has_shared else ("expert",)
+    reads = (M + "expert_indices", M + "mlp_output", "layers.layer_output")
+
+    def run_zeroing(label=None):
+        masks = {name: none[name] if name != label else mask for name, mask in zeroing.items()}
+        edits = [jstd.Zero(sites[n], layer=block, where=masks[n]) for n in labels]
+        return jit_run(model, inputs, edits, reads=reads)
+
+    zeroing = {"expert": none["expert"].copy(), "shared expert": np.ones_like(none["shared expert"])}
+    zeroing["expert"][:, -1, place] = True  # the expert each row chose second at the last position
+    clean = run_zeroing()
+    indices = np.asarray(clean[M + "expert_indices"])[:, :, -1]  # [MoE blocks, batch, top_k]
+    chosen = np.zeros_like(experts[blocks], bool)
+    np.put_along_axis(chosen, indices, True, -1)
+    assert not experts[blocks][~chosen].any() and np.abs(experts[blocks][chosen]).min() > 0
+
+    final_norm, logits_from_norm = model.readout()
+    x = jnp.asarray(clean["layers.layer_output"])[-1, :, -1].astype(jnp.float32)
+    scale = jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + final_norm.eps)  # frozen at the clean stream
+
+    def linearized(m):  # the logit difference of the MLP part m [batch, hidden] through the frozen norm and head
+        logits = np.asarray(logits_from_norm(m * final_norm.effective_weight * scale), np.float64)
+        return logits[:, target] - logits[:, other]
+
+    parts = {"expert": np.take_along_axis(experts[block], indices[-1][:, place:place + 1], -1)[:, 0],
+             "shared expert": None if not has_shared else np.asarray(dla.shared_expert, np.float64)[block]}
+    for label in labels:
+        zeroed = run_zeroing(label)[M + "mlp_output"]
+        change = linearized(clean[M + "mlp_output"][block, :, -1]) - linearized(zeroed[block, :, -1])
+        assert_close(parts[label], change, 1e-4, f"{name}: the {label}'s part is the change when it is zeroed")
+
+
 FIRST_CASES = tuple(dict.fromkeys(c.split("-")[0] for c in MOE_CASES))
 
 

@@ -19,6 +19,8 @@ from published_text_configs import PUBLISHED
 import test_conformance as conformance
 import test_convert as convert
 from reference.cases import jit_run
+from conftest import assert_close
+from jstd.cli.inspect import describe
 
 
 def test_gemma_scales_its_embeddings_in_bfloat16_as_torch(zoo):
@@ -64,11 +66,25 @@ def test_context_continues_fused_and_nope_blocks(zoo, name):
     conformance.test_context_continues_the_run(zoo, name)
 
 
-@pytest.mark.parametrize("name", ["phi3-longrope", "smollm3-3b"])
+@pytest.mark.parametrize("name", ["phi3-longrope", "smollm3-3b", "mistral-window", "qwen2-window", "gemma2-softcap",
+                                  "gemma3_text-local", "olmo3-window", "qwen3-0.6b"])
 def test_convert_and_export_round_trip(zoo, name, tmp_path):
     """The conversion round trip of ``families.MAIN`` on Phi-3 (export writes q, k and v back into the one
-    qkv_proj, gate and up into gate_up_proj) and SmolLM3 (its NoPE attention class in the converted structure)."""
+    qkv_proj, gate and up into gate_up_proj), SmolLM3 (its NoPE attention class in the converted structure) and the
+    families with windows, soft-caps and post-norms; transformers loads the exported folder with the original's
+    logits (bit for bit), which the converted model's equal, and ``jstd inspect`` describes it."""
     convert.test_round_trip_is_bit_exact(zoo, name, tmp_path)
+    _, _, model, ref, spec = zoo(name)
+    tokens, _ = spec.inputs(model)
+    exported = type(ref.model).from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = ref.model(torch.as_tensor(np.asarray(tokens))).logits.numpy()
+        theirs = exported(torch.as_tensor(np.asarray(tokens))).logits.numpy()
+    np.testing.assert_array_equal(theirs, want)
+    ours = np.asarray(jit_run(jstd.load(tmp_path / "jstd"), tokens).logits)
+    assert_close(ours, want, 1e-5, f"{name}: the converted model's logits")
+    text = describe(jstd.load(tmp_path / "jstd"))
+    assert f"model_type {model.config.model_type}" in text and "layers.slots[0].attn.q" in text
 
 
 @pytest.mark.parametrize("repo", sorted(PUBLISHED))

@@ -2,6 +2,7 @@
 
     dla = jstd.direct_logit_attribution(model, tokens, target=paris, other=london)
     dla.attention[5], dla.mlp[5], dla.heads[5, :, 3]          # per block, per head, per row
+    dla.experts[5, :, 7], dla.shared_expert[5]                # per expert of a mixture-of-experts MLP
     est = jstd.attribution_patching(model, clean, corrupt, "layers.layer_output", metric)   # [layers, positions]
 
 Direct logit attribution splits the residual stream at one position into what
@@ -10,6 +11,8 @@ part through the final norm *with its scale frozen* at the value it takes on the
 whole stream (as TransformerLens does), then through the head. Because the
 final RMSNorm is linear once its scale is frozen, and the head is linear, the
 parts sum to the logit (difference) the model returns, up to float rounding.
+A mixture-of-experts MLP's part splits further, by expert: each chosen expert's
+weighted output and the shared expert's, which sum to the block's MLP part.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jstd.kernels.moe import weighted
 from jstd.core.edits import Add, check_index, check_left_padded, site_axes
 from jstd.core.inputs import Inputs, as_inputs
 from jstd.interventions.metrics import check_token_ids
@@ -34,6 +38,8 @@ from jstd.core.sites import SITES, SiteError, parse
 HEAD_OUTPUTS = "layers.self_attn.attention_head_outputs"
 STREAM = ("layers.layer_input", "layers.mlp.mlp_output", "layers.layer_output")
 MIXERS = ("self_attn", "linear_attn")
+ROUTED = ("layers.mlp.router_weights", "layers.mlp.expert_indices", "layers.mlp.expert_outputs")
+SHARED_EXPERT = "layers.mlp.shared_expert_output"
 
 
 class LogitAttribution(eqx.Module):
@@ -45,6 +51,15 @@ class LogitAttribution(eqx.Module):
     heads: each head's share of ``attention`` (its head output through its
         slice of o_proj; the o_proj bias, when there is one, is in ``attention``
         but in no head), None when not asked for.
+    experts: on a mixture-of-experts model, each expert's share of ``mlp``:
+        ``router_weights[k] · expert_outputs[k]`` of the expert ``e`` chosen
+        in place ``k``, at ``experts[block, row, e]`` (zero for the experts a
+        row did not choose, and on blocks with a dense MLP); None when not
+        asked for.
+    shared_expert: the shared expert's share of ``mlp`` (Qwen3.5-MoE: its gated
+        output; zero on blocks with a dense MLP), None on models without one or
+        when experts are not asked for. On each MoE block ``experts.sum(-1) +
+        shared_expert == mlp`` up to float rounding.
     logit: the model's own logit (difference) at the position; with a final
         soft-cap (Gemma 2), the logit *before* the cap: what the parts decompose.
     final_norm_bias: a final LayerNorm's bias through the head (GPT-2, GPT-NeoX: the norm centres each part and
@@ -57,6 +72,8 @@ class LogitAttribution(eqx.Module):
     heads: Float[Array, "layers batch heads"] | None
     logit: Float[Array, "batch"]
     final_norm_bias: Float[Array, "batch"] | None = None
+    experts: Float[Array, "layers batch experts"] | None = None
+    shared_expert: Float[Array, "layers batch"] | None = None
     # False when the model soft-caps its logits (tanh(x / cap) · cap is not linear): the parts then sum to the
     # logit before the cap, not to the logits the model returns
     exact: bool = eqx.field(static=True, default=True)
@@ -95,9 +112,33 @@ def _splits_heads(model) -> bool:
     return True
 
 
+def _expert_multiplier(model) -> float:
+    """The factor from a mixture-of-experts MLP's weighted sum to what its block adds: every block with a router
+    must add that sum linearly (no post-norm); raises NotImplementedError on a model without a router or where a
+    post-norm follows the experts."""
+    stack = model.stacks["layers"]
+    routed = [getattr(slot, "rows", (slot,))[0] for slot in stack.slots if "mlp.expert_outputs" in slot.sites()]
+    if not routed:
+        raise NotImplementedError(f"per-expert attribution needs a mixture-of-experts MLP; this {model.family} "
+                                  "model has none (pass experts=False)")
+    if any(block.mlp_post_norm is not None for block in routed):
+        raise NotImplementedError("per-expert attribution needs a block that adds its experts' weighted sum "
+                                  "linearly; this one passes it through a post-norm (attribute mlp_output instead)")
+    return routed[0].residual_multiplier
+
+
+def _splits_experts(model) -> bool:
+    """Whether per-expert attribution is exact on ``model`` (see :func:`_expert_multiplier`)."""
+    try:
+        _expert_multiplier(model)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def direct_logit_attribution(
     model, tokens: Int[Array, "batch seq"], target, other=None, *, position: int = -1, heads: bool | None = None,
-    edits=(),
+    experts: bool | None = None, edits=(),
     attention_mask: Int[Array, "batch seq"] | None = None,
 ) -> LogitAttribution:
     """Each block's (and head's) direct contribution to ``logit[target] - logit[other]`` at ``position``.
@@ -119,6 +160,18 @@ def direct_logit_attribution(
     where that is exact and leaves ``heads`` None on other models (hybrids,
     post-norms); ``heads=True`` raises NotImplementedError there.
 
+    ``experts`` splits each mixture-of-experts block's MLP part by expert
+    (``LogitAttribution.experts``, ``shared_expert``): each chosen expert's
+    ``router_weights[k] · expert_outputs[k]`` in the dtype the model forms it
+    before the sum, through the same frozen final norm and head, so the parts
+    sum to the block's ``mlp`` up to float rounding, and expert ``e``'s part is
+    the change in the block's (linearized) MLP part when its output is zeroed
+    (``jstd.Zero("layers.mlp.expert_outputs", layer=block, where=...)`` at the
+    place ``k`` where it was chosen). It is the direct effect only: what the
+    expert's output changes downstream is not in it. ``experts=None`` (the
+    default) splits them on models with a router; ``experts=True`` raises
+    NotImplementedError on others.
+
     Raises ValueError for ids outside the vocabulary, SiteError for a
     ``position`` outside ``-seq..seq-1``, ValueError for a negative position
     on rows padded on the right (pad on the left).
@@ -128,6 +181,10 @@ def direct_logit_attribution(
         heads = _splits_heads(model)
     elif heads:
         _head_slot(model)
+    if experts is None:
+        experts = _splits_experts(model)
+    elif experts:
+        _expert_multiplier(model)
     inputs = as_inputs(tokens, attention_mask)
     batch, seq = np.shape(inputs.tokens)
     who = "direct_logit_attribution"
@@ -142,13 +199,15 @@ def direct_logit_attribution(
         warnings.warn(f"direct_logit_attribution: this {model.family} model soft-caps its logits "
                       f"(tanh(x / {model.decoder.logit_softcap}) · cap), which is not linear; the attribution is of "
                       "the logits before the cap (LogitAttribution.exact is False)", UserWarning, stacklevel=2)
-    reads = STREAM + _mixer_sites(model) + ((HEAD_OUTPUTS,) if heads else ()) + (("final_norm_output",) if capped else ())
+    routed = (ROUTED + ((SHARED_EXPERT,) if SHARED_EXPERT in model.sites else ())) if experts else ()
+    reads = (STREAM + _mixer_sites(model) + ((HEAD_OUTPUTS,) if heads else ()) + (("final_norm_output",) if capped else ())
+             + routed)
     out = read(model, inputs, reads, edits)
-    return _dla(model, out, target, other, position, heads, capped)
+    return _dla(model, out, target, other, position, heads, capped, experts)
 
 
 @eqx.filter_jit
-def _dla(model, out, target, other, position, heads, capped=False):
+def _dla(model, out, target, other, position, heads, capped=False, experts=False):
     final_norm, logits_from_norm = model.readout()
     at = lambda name: out[name][:, :, position].astype(jnp.float32)  # [layers, batch, hidden]
     x = at("layers.layer_output")[-1]  # the final residual stream, [batch, hidden]
@@ -186,6 +245,9 @@ def _dla(model, out, target, other, position, heads, capped=False):
         o = block.attn.o.astype(jnp.float32)  # [layers, heads, head_dim, hidden]
         through_o = jnp.einsum("lbnd,lnde,be->lbn", h, o, direction)
         per_head = through_o * block.residual_multiplier
+    per_expert = shared = None
+    if experts:
+        per_expert, shared = _expert_parts(model, out, position, direction)
     mixer = jnp.zeros((model.depth(),) + x.shape, jnp.float32)
     for site in _mixer_sites(model):  # each block's mixer, whichever host it has
         mixer = mixer.at[jnp.asarray(model.blocks_for(site))].set(at(site))
@@ -197,7 +259,28 @@ def _dla(model, out, target, other, position, heads, capped=False):
         logit=logit,
         final_norm_bias=jnp.sum(gradient * final_norm.bias.astype(jnp.float32), -1) if layer_norm else None,
         exact=not capped,
+        experts=per_expert,
+        shared_expert=shared,
     )
+
+
+def _expert_parts(model, out, position, direction):
+    """``(experts [layers, batch, experts], shared_expert [layers, batch] or None)``: each chosen expert's weighted
+    output (and the shared expert's) at ``position``, dotted with the readout ``direction`` [batch, hidden]."""
+    multiplier = _expert_multiplier(model)
+    weights, indices, outputs = (out[site][:, :, position] for site in ROUTED)  # [blocks, batch, top_k(, hidden)]
+    parts = jnp.einsum("lbkh,bh->lbk", weighted(outputs, weights).astype(jnp.float32), direction) * multiplier
+    chosen = jax.nn.one_hot(indices, model.config.num_experts, dtype=jnp.float32)  # [blocks, batch, top_k, experts]
+    blocks = jnp.asarray(model.blocks_for(ROUTED[0]))
+    depth, batch = model.depth(), direction.shape[0]
+    per_expert = jnp.zeros((depth, batch, model.config.num_experts), jnp.float32).at[blocks].set(
+        jnp.einsum("lbk,lbke->lbe", parts, chosen))
+    shared = None
+    if SHARED_EXPERT in out.values:
+        gated = out[SHARED_EXPERT][:, :, position].astype(jnp.float32)
+        shared = jnp.zeros((depth, batch), jnp.float32).at[jnp.asarray(model.blocks_for(SHARED_EXPERT))].set(
+            jnp.einsum("lbh,bh->lb", gated, direction) * multiplier)
+    return per_expert, shared
 
 
 def attribution_patching(

@@ -8,7 +8,9 @@ and the probabilities so that they can be read and edited.
 
 A sliding window (``window_mask``) is one more mask: a query at index ``i``
 attends keys at indices ``i - window + 1 .. i`` (transformers' sliding-window
-mask and sliding cache). Soft-capped scores (``softcap``: Gemma 2) are
+mask and sliding cache). Bidirectional blocks (``block_mask``: Gemma 3's images) are runs of
+positions that attend to each other whatever their order: OR-ed into the causal mask before a window narrows it.
+Soft-capped scores (``softcap``: Gemma 2) are
 ``tanh(s / cap) · cap`` of the scaled scores, before the mask.
 """
 
@@ -49,6 +51,21 @@ def window_mask(
     with left padding a row's real tokens see the same keys as the row unpadded; combine with the causal and
     padding mask (``&``)."""
     return (key_index[:, None, :] > query_index[:, :, None] - window)[:, None]
+
+
+def bidirectional_blocks(inside: Bool[Array, "batch seq"]) -> Int[Array, "batch seq"]:
+    """Each position's bidirectional block: the runs of consecutive True positions of ``inside`` numbered 0, 1, …
+    along each row, -1 outside them (transformers' ``block_sequence_ids`` from ``token_type_ids``)."""
+    before = jnp.pad(inside, ((0, 0), (1, 0)))[:, :-1]
+    return jnp.where(inside, jnp.cumsum(inside & ~before, axis=1) - 1, -1)
+
+
+def block_mask(query_block: Int[Array, "batch q"], key_block: Int[Array, "batch k"]) -> Bool[Array, "batch 1 q k"]:
+    """True where a query and a key lie in one bidirectional block (``bidirectional_blocks``; -1 is no block): OR it
+    into the causal mask (later keys of the block become visible), then narrow by any sliding window (``&``), as
+    transformers composes them (a window never hides a later key)."""
+    q = query_block[:, :, None]
+    return ((q == key_block[:, None, :]) & (q >= 0))[:, None]
 
 
 def scores(

@@ -202,13 +202,19 @@ def grouped(x: Float[Array, "tokens hidden"], indices: Int[Array, "tokens top_k"
     return jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(tokens, k, -1)
 
 
+def weighted(outputs: Float[Array, "... top_k hidden"], weights: Float[Array, "... top_k"]
+             ) -> Float[Array, "... top_k hidden"]:
+    """Each chosen expert's contribution ``weights[k] · outputs[k]``, formed in the promoted dtype of the two and
+    cast to the outputs' dtype, as transformers forms it before the sum (``combine``)."""
+    return (outputs * weights[..., None]).astype(outputs.dtype)
+
+
 def combine(outputs: Float[Array, "... top_k hidden"], weights: Float[Array, "... top_k"],
             indices: Int[Array, "... top_k"]) -> Float[Array, "... hidden"]:
     """``Σ_k weights[k] · outputs[k]`` as transformers sums it: each contribution formed in the promoted dtype of
     the two and cast to the outputs' dtype, then added in ascending expert order (its ``index_add_`` loop over
     experts), each add in that dtype."""
-    dtype = outputs.dtype
-    contributions = (outputs * weights[..., None]).astype(dtype)
+    contributions = weighted(outputs, weights)
     if outputs.shape[-2] > 2:  # with two, the order of one add does not matter
         by_expert = jnp.argsort(indices, axis=-1, stable=True)
         contributions = jnp.take_along_axis(contributions, by_expert[..., None], axis=-2)

@@ -22,12 +22,12 @@ from typing import Callable, ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from jstd.core.config import ModelConfig
 from jstd.core.context import begin
 from jstd.models.namemap import Entry, linear
-from jstd.kernels.attention import window_mask
+from jstd.kernels.attention import block_mask, window_mask
 from jstd.kernels.rope import Rotary
 from jstd.kernels.softcap import softcap
 from jstd.kernels.rope_config import rotary_from_config
@@ -169,16 +169,30 @@ class CausalLM(Model):
             by_kind[kind] = (angles(self.rotary_for(kind)), narrowed)
         return by_kind
 
+    @staticmethod
+    def block_overlay(blocks: Int[Array, "batch seq"], context, keys: int) -> Bool[Array, "batch 1 seq keys"]:
+        """Where the tokens' bidirectional ``blocks`` let a token see a key ``[batch, 1, seq, keys]`` (the keys: a
+        context's cached positions, which no block reaches, then the tokens; a block never spans two segments)."""
+        same = block_mask(blocks, blocks)
+        if context is None:
+            return same
+        segment, _ = context.segments()
+        same = same & (segment[:, :, None] == segment[:, None, :])[:, None]
+        return jnp.pad(same, ((0, 0), (0, 0), (0, 0), (keys - blocks.shape[1], 0)))
+
     def project_on_vocab(self, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
         """Final norm, head and whatever follows the head: the logit lens (exact at the last block)."""
         return self.logits_from_norm(self.final_norm(hidden))
 
-    def forward(self, inputs, tap, context=None, merge=None, rope_positions=None, after_block=None):
+    def forward(self, inputs, tap, context=None, merge=None, rope_positions=None, after_block=None, blocks=None):
         """``(logits, reads)``; ``merge`` (a wrapper's): a function of the token embeddings that puts the image
         features in, before the embedding multiplier (None: text alone). ``rope_positions``: a multimodal rotary's
         position ids ``[3, batch, seq]`` (a wrapper's, from the images; None: from the tokens, as text).
         ``after_block``: ``(h, block) -> h`` on each block's output before the next block reads it (a wrapper's
-        DeepStack features; ``Stack``'s ``after``)."""
+        DeepStack features; ``Stack``'s ``after``). ``blocks``: each token's bidirectional block ``[batch, seq]``
+        (``kernels.attention.bidirectional_blocks``; a wrapper's: Gemma 3's images), -1 for none: the tokens of a
+        block see each other, later ones too, in every block kind (OR-ed into the causal mask, then narrowed by a
+        sliding window); on a continued run, within the run's own segments only."""
         tokens, attention_mask = inputs.tokens, inputs.attention_mask
         s = tap.scope()
         merged = (lambda x: x) if merge is None else merge
@@ -195,6 +209,11 @@ class CausalLM(Model):
             else:
                 rope = mrope_positions(tokens, attention_mask, -1, (), 1)
             positions = s("positions", rope)
+        if blocks is not None:  # padding never joins a block (transformers: (causal | block) & padding)
+            real = attention_mask.astype(bool) if attention_mask is not None else (
+                None if context is None else context.real())
+            blocks = blocks if real is None else jnp.where(real, blocks, -1)
+            mask = mask | self.block_overlay(blocks, context, mask.shape[-1])
         dtype = jnp.float32 if self.rotary_in_float32 else h.dtype
         attention = self.attention_args(positions, mask, context, tokens.shape[1], dtype)
         padding = None if attention_mask is None else attention_mask.astype(bool)

@@ -25,7 +25,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from jstd.core.config import ModelConfig
 from jstd.core.inputs import Inputs
@@ -92,6 +92,11 @@ class VisionLanguageModel(Model):
         DeepStack features)."""
         return None, {}
 
+    def attention_blocks(self, image_mask: Bool[Array, "batch seq"]) -> Int[Array, "batch seq"] | None:
+        """The text model's bidirectional blocks ``[batch, seq]`` from the image-token mask (``CausalLM.forward``'s
+        ``blocks``; None: every token attends causally, the image tokens too)."""
+        return None
+
     def num_features(self, inputs: Inputs) -> int:
         """How many image features ``inputs`` give (static: from the shapes and ``inputs.layout``)."""
         pixels = inputs.images["pixel_values"]
@@ -150,7 +155,8 @@ class VisionLanguageModel(Model):
             merge = lambda embeddings: scatter(embeddings, mask, features)
             rope = self.rope_positions(tokens, inputs)
             after, added = self.between_blocks(streams, mask, tap)
-        logits, text_reads = self.text.forward(Inputs(tokens, inputs.attention_mask), tap, context, merge, rope, after)
+        logits, text_reads = self.text.forward(Inputs(tokens, inputs.attention_mask), tap, context, merge, rope, after,
+                                               self.attention_blocks(mask))
         return logits, {**reads, **s.records, **added, **text_reads}
 
     # the text model's head, for the lens and direct logit attribution
