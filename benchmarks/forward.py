@@ -7,6 +7,7 @@ Gemma 2) in the same process. Prints a
 markdown table of ratios (paste into docs/benchmarks.md).
 
     python benchmarks/forward.py [--repeats 7] [--family llama]
+    python benchmarks/forward.py --families mistral,qwen2,...   # throughput ratios only, each beside Llama's
 
 ``--family`` runs another text family (a ``model_type``: mistral, qwen2, gemma2, gemma3_text, olmo3, ...) at the
 same sizes (head_dim 64), its other config values transformers' defaults (Gemma 2's soft-caps, the families'
@@ -28,9 +29,10 @@ SIZE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_
 RESIDUAL = ("layers.layer_input", "layers.self_attn.attention_output", "layers.mlp.mlp_output", "layers.layer_output")
 
 
-# what a family's defaults hold that the benchmark's sizes replace (head_dim 256 on the Gemmas)
+# what a family's defaults hold that the benchmark's sizes replace (head_dim 256 on the Gemmas; Phi-3's and SmolLM3's token ids, past the vocabulary here)
 FAMILY_SIZES = {"gemma": dict(head_dim=64), "gemma2": dict(head_dim=64, query_pre_attn_scalar=64),
-                "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64)}
+                "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64),
+                "phi3": dict(pad_token_id=0, eos_token_id=2), "smollm3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}
 
 
 def llama_config(layers):
@@ -72,10 +74,30 @@ print(json.dumps(dict(base=base, peak=peak)))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def family_ratios(families: list[str], repeats: int) -> None:
+    """Print each family's forward throughput against torch (logits only, the sizes above), torch and jstd timed
+    run for run (medians of ``repeats`` interleaved pairs), and that ratio over Llama's (Llama runs first)."""
+    from common import forward_callables, time_interleaved
+
+    rows, base = [], None
+    for family in ["llama"] + [f for f in families if f != "llama"]:
+        folder, tokens = text_checkpoint(family_config(family), f"{family}-8x512", SIZE["vocab_size"])
+        torch_forward, jstd_forward, attention = forward_callables(folder, tokens)
+        t = time_interleaved({"torch": torch_forward, "jstd": lambda: jstd_forward(())}, repeats)
+        ratio = t["torch"][0] / t["jstd"][0]
+        base = ratio if base is None else base
+        rows.append((f"{family} (torch {attention})", f"{ratio:.2f}x",
+                     f"{ratio / base:.2f} of Llama's; jstd {t['jstd'][0] * 1e3:.0f} ms, torch {t['torch'][0] * 1e3:.0f} ms"))
+    print_table(versions() + ", forward throughput by family (jstd / torch, interleaved medians)", rows)
+
+
 def main():
     parser = repeats_parser()
     parser.add_argument("--family", default="llama", help="the text family (model_type) to run; default llama")
+    parser.add_argument("--families", help="comma-separated model_types: only their throughput ratios, beside Llama's")
     args = parser.parse_args()
+    if args.families:
+        return family_ratios(args.families.split(","), args.repeats)
     make = family_config(args.family)
     folder, tokens = text_checkpoint(make, f"{args.family}-8x512", SIZE["vocab_size"])
     t = forward_timings(folder, tokens, RESIDUAL, args.repeats)

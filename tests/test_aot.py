@@ -1,6 +1,7 @@
 """Deviceless compiles for TPU and GPU targets (jstd.aot, the ``aot`` extra): jstd's programs compile for a v5e:2x2
 slice and for H200s, fit their chips, gather no sharded weight whole under FSDP_TP; a layout that does not fit is
-refused with its numbers; the Pallas gated-delta kernel compiles with Mosaic, per shard. Skipped, with the reason, where the extra is not installed (``make aot``)."""
+refused with its numbers; the Pallas gated-delta kernel compiles with Mosaic, per shard, and its GPU kernels to
+sm_90a cubins that spill no register. Skipped, with the reason, where the extra is not installed (``make aot``)."""
 
 from __future__ import annotations
 
@@ -115,6 +116,20 @@ def test_pallas_kernel_compiles_with_mosaic_per_shard(aot, v5e):
 
     report, compiled = mosaic(v5e, batch=2, seq=128, qk_heads=2, heads=4)
     assert "tpu_custom_call" in compiled.as_text() and report.fits
+
+
+@pytest.mark.skipif(not _installed("triton"), reason="no triton wheel (the aot extra installs it)")
+def test_pallas_kernels_compile_for_sm90a_without_spills():
+    """Each kernel the gated-delta forward launches on GPUs (the split layout: UT transform, state loop, outputs),
+    bfloat16 inputs, key and value heads of 128, chunks of 32, compiles with Triton to an sm_90a cubin in which
+    ptxas spills no register (no stores, no loads, no stack frame)."""
+    from jstd.aot.kernels import triton_cubins
+
+    cubins = triton_cubins(seq=64, heads=1)
+    assert sorted(cubins) == ["gated_delta_out", "gated_delta_state", "gated_delta_ut"]
+    for name, report in cubins.items():
+        assert (report["spill_stores"], report["spill_loads"], report["stack"]) == (0, 0, 0), (name, report)
+        assert 0 < report["registers"] <= 255, (name, report)
 
 
 def test_float32_products_on_tpu_need_the_highest_precision(v5e):

@@ -265,6 +265,20 @@ def test_pallas_tpu_layout_interpreted(monkeypatch):
     assert rel_max(o, o_c) <= 1e-6 and rel_max(s, s_c) <= 1e-6 and rel_max(st, st_c) <= 1e-6
 
 
+def test_pallas_split_layout_column_blocks_interpreted(monkeypatch):
+    """The split layout with every tile smaller than the heads (two column blocks in each kernel's products, a
+    state carried as two row blocks, two value blocks per state and output program), interpreted: the same
+    results as the chunked form, states included."""
+    from jstd.kernels.pallas import gated_delta as pgd
+
+    monkeypatch.setattr(pgd, "GPU", pgd.SplitConfig(ut_block=8, state_block_v=8, state_block_k=8, out_block_v=8))
+    q, k, v, g, beta, s0 = make_inputs(8, 1, 40, 1, 2, 16, 16, l2norm=True, with_state=True)  # 3 chunks, padded
+    f = jax.jit(lambda *a: pallas_interp(*a, initial_state=s0, use_qk_l2norm=True, chunk_size=16, return_states=True))
+    o, s, st = f(q, k, v, g, beta)
+    o_c, s_c, st_c = FORMS["chunk"](q, k, v, g, beta, initial_state=s0, use_qk_l2norm=True, chunk_size=16, return_states=True)
+    assert rel_max(o, o_c) <= 1e-6 and rel_max(s, s_c) <= 1e-6 and rel_max(st, st_c) <= 1e-6
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_pallas_kernel_lowers_for_accelerators(platform, monkeypatch):
     """No accelerator here: check that the kernel lowers to Mosaic TPU / Triton IR (the
