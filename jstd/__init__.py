@@ -26,7 +26,7 @@ from jstd.core.context import Context
 from jstd.run import Outputs, project_on_vocab, run
 from jstd.generate import Generation, Sampling, generate
 from jstd.core.sites import SITES, Site, SiteError
-from jstd.collect import ActivationDataset, collect
+from jstd.collect import ActivationDataset, SparseRows, collect
 from jstd import sae  # noqa: F401 (jstd.sae: sparse autoencoders and transcoders)
 from jstd.sae import splice
 __all__ = [
@@ -34,7 +34,7 @@ __all__ = [
     "load", "load_processor", "run", "Inputs", "Outputs", "project_on_vocab", "Context",
     "convert", "export",
     "generate", "Generation", "Sampling", "generation_config",
-    "collect", "ActivationDataset",
+    "collect", "ActivationDataset", "SparseRows",
     "sae", "splice",
     "Edit", "Set", "Add", "Scale", "Zero", "Apply",
     "SITES", "Site", "SiteError", "CheckpointError", "logical_axes", "shard",

@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file
 
 import jstd
+from jstd.collect.dataset import SparseRows
 from jstd.sae import SAE, init, load_sae, save_sae, splice, stack
 
 TINY = Path(jstd.__file__).parent / "assets" / "tiny-llama"
@@ -244,6 +246,41 @@ def test_refusals(model, tokens):
 
 
 # ---- the toolkit on features -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("architecture,kw", [("jumprelu", {}), ("topk", {"k": 6})])
+def test_feature_edits_compute_only_their_features(model, tokens, architecture, kw):
+    """Ablating, steering and clamping by feature index where nothing reads the dictionary's values computes
+    only those features (``FeatureEdit``): the same site values and logits as the same edits by feature mask,
+    which run the whole dictionary; a feature named twice counts once."""
+    saes = per_block(model, architecture=architecture, **kw)[:2]
+    edits = splice(model, saes, SITE, layer=(1, 2))
+    lat = f"{SITE}.sae.latents"
+    base = jstd.run(model, tokens, edits, reads=(lat,))[lat]
+    live = [int(j) for j in np.flatnonzero(np.asarray(base[1]).reshape(-1, 96).any(0))[:3]]
+    tools = jstd.sae
+    by_index = [tools.ablate_features(SITE, [live[0], live[1], live[0]], 96, layer=1),
+                tools.steer_feature(SITE, live[2], 2.5, 96, positions=[3, 7]),
+                tools.clamp_features(SITE, [live[1], 40], [1.5, 3.0], 96, layer=2)]
+    mask = lambda fs: np.isin(np.arange(96), fs)
+    by_mask = [tools.ablate_features(SITE, mask(live[:2]), 96, layer=1),
+               tools.steer_feature(SITE, mask([live[2]]), 2.5, 96, positions=[3, 7]),
+               jstd.Set(lat, np.where(np.arange(96) == 40, 3.0, 1.5).astype(np.float32), layer=2,
+                        where=mask([live[1], 40]))]
+    assert all(isinstance(e, tools.FeatureEdit) for e in by_index) and not any(
+        isinstance(e, tools.FeatureEdit) for e in by_mask)
+    fast = jstd.run(model, tokens, [*edits, *by_index], reads=(SITE,))
+    whole = jstd.run(model, tokens, [*edits, *by_mask], reads=(SITE,))
+    plain = jstd.run(model, tokens, reads=(SITE,))
+    np.testing.assert_array_equal(np.asarray(fast[SITE][:1]), np.asarray(plain[SITE][:1]))  # before: x itself
+    assert np.abs(np.asarray(fast[SITE][1:3] - plain[SITE][1:3])).max() > 1e-2
+    np.testing.assert_allclose(np.asarray(fast[SITE]), np.asarray(whole[SITE]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(fast.logits), np.asarray(whole.logits), rtol=1e-5, atol=1e-5)
+    # reading the latents runs the whole dictionary: the feature edits there are the masked ones
+    read = jstd.run(model, tokens, [*edits, *by_index], reads=(lat,))[lat]
+    np.testing.assert_array_equal(np.asarray(read), np.asarray(jstd.run(model, tokens, [*edits, *by_mask],
+                                                                          reads=(lat,))[lat]))
+
+
+
 def test_feature_tools(model, tokens, tmp_path):
     sae = per_block(model)[2]
     edits = splice(model, sae, SITE, layer=2)
@@ -278,13 +315,58 @@ def test_feature_tools(model, tokens, tmp_path):
     effects = sweep[0] - corrupt_metric
     assert np.abs(effects).max() > 0 and not ap[[0, 1, 3]].any()  # nothing spliced at blocks 0, 1, 3
     np.testing.assert_allclose(ap[2, live], effects, rtol=0.3, atol=0.05 * np.abs(effects).max())
-    # jstd.collect of latents under the splice: the dataset's rows are the run's latents, position by position
-    one_block = f"layers.2.{lat[7:]}"
-    ds = jstd.collect(model, jstd.Inputs(tokens, None), one_block, tmp_path / "latents", edits=edits, progress=False)
-    np.testing.assert_allclose(ds.read(one_block), np.asarray(base).reshape(-1, 96), rtol=1e-5, atol=1e-5)
     # sparse rows: indices + values restore the latents exactly
     idx, val = jstd.sae.sparse_latents(base, int((base > 0).sum(-1).max()))
     np.testing.assert_array_equal(np.asarray(jstd.sae.dense_latents(idx, val, 96)), np.asarray(base))
+
+
+def test_collect_writes_latents_sparse_resumably(model, tokens, tmp_path):
+    """Latents collected under a splice are stored as counts + indices + values: densified, they equal the dense
+    collection and the run's latents; random reads, batches, a resume after an interruption and a reader with
+    only safetensors and json give the same rows."""
+    saes = per_block(model)[:2]
+    edits = splice(model, saes, SITE, layer=(1, 3))  # blocks 0 and 2: no dictionary, all-zero rows
+    lat = f"{SITE}.sae.latents"
+    sites = (lat, "layers.1.layer_output")
+    kw = dict(edits=edits, batch_size=1, shard_bytes=8000, progress=False)
+    ds = jstd.collect(model, jstd.Inputs(tokens, None), sites, tmp_path / "sparse", **kw)
+    dense = jstd.collect(model, jstd.Inputs(tokens, None), sites, tmp_path / "dense", sparse=(), **kw)
+    assert ds.sparse == (lat,) and dense.sparse == () and len(ds.index["shards"]) >= 3
+    want = dense.read(lat)
+    run = jstd.run(model, tokens, edits, reads=(lat,))[lat]  # [blocks, batch, seq, d_sae]
+    np.testing.assert_allclose(want, np.asarray(run).transpose(1, 2, 0, 3).reshape(-1, 4, 96), rtol=1e-5, atol=1e-5)
+    assert not want[:, [0, 2]].any() and (want > 0).any() and (want[:, [1, 3]] == 0).mean() > 0.2
+    got = ds.read(lat)
+    assert isinstance(got, SparseRows) and got.counts.shape == (len(ds), 4)
+    assert len(got.values) == (want != 0).sum() < want.size / 2
+    np.testing.assert_array_equal(got.dense(), want)
+    np.testing.assert_array_equal(ds.read("layers.1.layer_output"), dense.read("layers.1.layer_output"))
+    rows = np.random.default_rng(0).permutation(len(ds))[:9]
+    np.testing.assert_array_equal(ds.read(lat, rows, dense=True), want[rows])
+    key = jax.random.key(3)
+    for a, b in zip(ds.batches(5, key=key, sites=[lat]), dense.batches(5, key=key, sites=[lat])):
+        np.testing.assert_array_equal(a[lat].dense(), b[lat])
+    # without jstd: each shard's counts, indices and values, and the index's names for them
+    index = json.loads((ds.folder / "index.json").read_text())
+    names = index["sites"][lat]["sparse"]
+    parts = []
+    for shard in index["shards"]:
+        t = load_numpy(str(ds.folder / shard["file"]))
+        counts, indices, values = t[names["counts"]], t[names["indices"]], t[names["values"]]
+        assert len(values) == shard["nnz"][lat] == counts.sum()
+        flat = np.zeros((counts.size, 96), np.float32)
+        flat[np.repeat(np.arange(counts.size), counts.ravel()), indices] = values
+        parts.append(flat.reshape(counts.shape + (96,)))
+    np.testing.assert_array_equal(np.concatenate(parts), want)
+    # resume: a run stopped after two shards continues from the third
+    cut = dict(index, complete=False, shards=index["shards"][:2], rows=sum(s["rows"] for s in index["shards"][:2]))
+    (ds.folder / "index.json").write_text(json.dumps(cut))
+    before = (ds.folder / "shard-00000.safetensors").stat().st_mtime_ns
+    resumed = jstd.collect(model, jstd.Inputs(tokens, None), sites, ds.folder, **kw)
+    assert (ds.folder / "shard-00000.safetensors").stat().st_mtime_ns == before
+    np.testing.assert_array_equal(resumed.read(lat, dense=True), want)
+    with pytest.raises(ValueError, match="sparse='token_embeddings' is not among the sites"):
+        jstd.collect(model, jstd.Inputs(tokens, None), sites, tmp_path / "bad", sparse="token_embeddings", **kw)
 
 
 # ---- training ----------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ LAYOUTS = {
     "gpt2-small": ("FSDP_TP",),  # learned positions (their own logical axis, not split)
     "gemma2-softcap": ("FSDP_TP",),  # sliding / full blocks alternating, soft-capped scores and logits, post-norms
     "llava": ("FSDP_TP",),
+    "gemma3": ("FSDP_TP",),  # the pooling projector, bidirectional image blocks in a sharded batch
     "mixtral": ("EP",),  # experts over the model axis (4 experts on 4 devices)
 }
 # XLA's CPU backend at its lowest optimization level: compiles about twice as fast; both sides of every comparison

@@ -10,12 +10,23 @@ and ``json``):
   document's index in the corpus), ``position`` (int32, the token's index in
   its document's tokens, 0 = the first, special tokens included) and ``token``
   (int32, the token id there).
+- A *sparse* site (a dictionary's ``X.sae.latents`` by default; ``sparse=`` in
+  ``jstd.collect``) is stored as three tensors instead of one: ``SITE.counts``
+  (int32 ``[tokens, …]``: the row's shape without its last axis, the number of
+  nonzero entries of each last-axis vector), ``SITE.indices`` (int32 ``[nnz]``:
+  their places along the last axis, ascending within a vector) and
+  ``SITE.values`` (``[nnz]``, the site's dtype), the vectors one after another
+  in row-major order (CSR with counts: ``offsets = concat([0],
+  cumsum(counts.ravel()))``; vector ``j`` holds ``indices[offsets[j]:offsets[j
+  + 1]]``). Zeros (and -0.0) are not stored; densifying gives +0.0 there. A
+  TopK dictionary's rows hold at most k entries; a ReLU's what fired.
 - ``index.json``: ``sites`` (per site: ``layout``, the row's axis names from
   ``jstd/core/sites.py`` with ``tokens`` first and ``layers`` for the block axis;
-  ``shape``, a row's shape; ``blocks``, the block indices along ``layers``;
-  ``dtype``), ``model`` (family, config, path where known), ``settings`` (what
-  the collection was made with), ``shards`` (file names with their row counts
-  and first rows) and ``complete``.
+  ``shape``, a row's dense shape; ``blocks``, the block indices along ``layers``;
+  ``dtype``; ``sparse``: for a sparse site, its three tensors' names),
+  ``model`` (family, config, path where known), ``settings`` (what the
+  collection was made with), ``shards`` (file names with their row counts, first
+  rows, and ``nnz`` per sparse site) and ``complete``.
 
 Shards are written under a temporary name and renamed when whole; the index
 lists a shard only once it is renamed, so a reader never sees a partial one.
@@ -31,7 +42,7 @@ from typing import Iterator, NamedTuple, Sequence
 import jax
 import ml_dtypes
 import numpy as np
-from jaxtyping import Shaped
+from jaxtyping import Int, Shaped
 
 from jstd.io.safetensors import DTYPE_NAMES as SAFETENSORS_DTYPE  # noqa: F401 (re-exported: the writer names dtypes)
 from jstd.io.safetensors import DTYPES, SafetensorsFiles, write_tensors
@@ -90,6 +101,37 @@ class RowMap(NamedTuple):
     token: Shaped[np.ndarray, "rows"]
 
 
+SPARSE_PARTS = ("counts", "indices", "values")
+
+
+def sparse_names(site: str) -> dict[str, str]:
+    """The tensor names of a sparse site in a shard: ``{"counts": "SITE.counts", "indices": …, "values": …}``."""
+    return {part: f"{site}.{part}" for part in SPARSE_PARTS}
+
+
+class SparseRows(NamedTuple):
+    """Rows of a sparse site: ``counts [rows, …]`` (nonzero entries of each last-axis vector), ``indices [nnz]``
+    and ``values [nnz]`` (the vectors one after another, row-major), and ``width`` (the last axis' size).
+    ``dense()`` gives ``[rows, …, width]``."""
+
+    counts: Int[np.ndarray, "rows *vectors"]
+    indices: Int[np.ndarray, "nnz"]
+    values: Shaped[np.ndarray, "nnz"]
+    width: int
+
+    @property
+    def offsets(self) -> Int[np.ndarray, "vectors_plus_one"]:
+        """Where each vector starts in ``indices``/``values`` (row-major over ``counts``), and ``nnz`` last."""
+        return np.concatenate([[0], np.cumsum(self.counts.reshape(-1), dtype=np.int64)])
+
+    def dense(self) -> Shaped[np.ndarray, "rows *vectors width"]:
+        """The rows as a dense array (zeros where nothing is stored)."""
+        flat = np.zeros((self.counts.size, self.width), self.values.dtype)
+        vector = np.repeat(np.arange(self.counts.size), self.counts.reshape(-1))
+        flat[vector, self.indices] = self.values
+        return flat.reshape(self.counts.shape + (self.width,))
+
+
 class ActivationDataset:
     """A collection written by ``jstd.collect``, read lazily: every shard is memory-mapped, nothing is loaded until
     a batch or a read asks for it.
@@ -98,7 +140,9 @@ class ActivationDataset:
     (the ``index.json`` dict); ``ds.layout(site)``, ``ds.shape(site)``;
     ``ds.rows``: the ``RowMap`` (document, position, token per row);
     ``ds.read(site, rows)``: rows as one array; ``ds.batches(n, key=…)``:
-    batches, shuffled with a JAX key or in order.
+    batches, shuffled with a JAX key or in order. A sparse site
+    (``ds.sparse``) reads as ``SparseRows`` (counts, indices, values), or dense
+    with ``dense=True``.
 
     Raises FileNotFoundError for a folder without ``index.json``; ValueError for
     an unfinished collection (resume it with the same ``jstd.collect`` call)
@@ -116,9 +160,11 @@ class ActivationDataset:
                              "or pass partial=True to read the complete shards")
         self.index = index
         self.sites = tuple(index["sites"])
-        self._shards = [_checked_shard(self.folder, s, self.sites) for s in index["shards"]]
+        self.sparse = tuple(s for s in self.sites if index["sites"][s].get("sparse"))
+        self._shards = [_checked_shard(self.folder, s, self.sites, self.sparse) for s in index["shards"]]
         self._starts = np.cumsum([0] + [s["rows"] for s in index["shards"]])
         self._rows = None
+        self._offsets: dict[tuple[int, str], np.ndarray] = {}
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -161,11 +207,15 @@ class ActivationDataset:
         ``token``)."""
         return list(self._shards)
 
-    def read(self, site: str, rows: slice | Sequence[int] | np.ndarray | None = None
-             ) -> Shaped[np.ndarray, "rows *row"]:
+    def read(self, site: str, rows: slice | Sequence[int] | np.ndarray | None = None, *, dense: bool = False
+             ) -> Shaped[np.ndarray, "rows *row"] | SparseRows:
         """``site``'s values at ``rows`` (a slice, integer indices in any order, or None for every row) as one
-        array ``[len(rows), …]``; also ``document``, ``position``, ``token``."""
+        array ``[len(rows), …]``; also ``document``, ``position``, ``token``. A sparse site gives ``SparseRows``
+        (its stored form), or the dense array with ``dense=True``."""
         self._site(site)
+        if site in self.sparse:
+            part = self._read_sparse(site, rows)
+            return part.dense() if dense else part
         if rows is None or isinstance(rows, slice):
             start, stop, step = (rows or slice(None)).indices(len(self))
             if step == 1:
@@ -191,17 +241,68 @@ class ActivationDataset:
             out[at[order]] = self._shards[i][site][local[order]]
         return out
 
+    def _row_indices(self, rows) -> np.ndarray:
+        if rows is None or isinstance(rows, slice):
+            return np.arange(*(rows or slice(None)).indices(len(self)))
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        if rows.size and (rows.min() < -len(self) or rows.max() >= len(self)):
+            raise IndexError(f"row index out of range for a dataset of {len(self)} rows")
+        return rows % max(len(self), 1)
+
+    def _vector_offsets(self, i: int, site: str) -> np.ndarray:
+        """Shard ``i``'s offsets of ``site``'s vectors (computed once; checked against the shard's ``nnz``)."""
+        if (i, site) not in self._offsets:
+            counts = self._shards[i][f"{site}.counts"]
+            offsets = np.concatenate([[0], np.cumsum(np.asarray(counts).reshape(-1), dtype=np.int64)])
+            if offsets[-1] != len(self._shards[i][f"{site}.indices"]):
+                entry = self.index["shards"][i]
+                raise ValueError(f"shard {entry['file']} of the collection in {self.folder}: the counts of {site!r} "
+                                 f"add up to {offsets[-1]} entries, but it holds "
+                                 f"{len(self._shards[i][f'{site}.indices'])}; the collection is damaged: collect it "
+                                 "again into a new folder (or delete this one)")
+            self._offsets[(i, site)] = offsets
+        return self._offsets[(i, site)]
+
+    def _read_sparse(self, site: str, rows) -> SparseRows:
+        rows = self._row_indices(rows)
+        shape = tuple(self._site(site)["shape"])
+        per_row = int(np.prod(shape[:-1], dtype=np.int64))  # vectors a row holds
+        counts = np.empty((len(rows),) + shape[:-1], np.int32)
+        starts = np.empty(len(rows), np.int64)  # each row's first entry in its shard
+        shard_of = np.searchsorted(self._starts, rows, side="right") - 1
+        for i in np.unique(shard_of):
+            at = np.nonzero(shard_of == i)[0]
+            local = rows[at] - self._starts[i]
+            order = np.argsort(local, kind="stable")
+            counts[at[order]] = self._shards[i][f"{site}.counts"][local[order]]
+            starts[at] = self._vector_offsets(i, site)[local * per_row]
+        lengths = counts.reshape(len(rows), -1).sum(1, dtype=np.int64)
+        out_start = np.concatenate([[0], np.cumsum(lengths)])
+        indices = np.empty(int(out_start[-1]), np.int32)
+        values = np.empty(int(out_start[-1]), self._dtype(site))
+        for i in np.unique(shard_of):
+            at = np.nonzero(shard_of == i)[0]
+            n = lengths[at]
+            run = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # 0, 1, … within each row
+            src, dst = np.repeat(starts[at], n) + run, np.repeat(out_start[at], n) + run
+            order = np.argsort(src, kind="stable")  # read each shard front to back
+            indices[dst[order]] = self._shards[i][f"{site}.indices"][src[order]]
+            values[dst[order]] = self._shards[i][f"{site}.values"][src[order]]
+        return SparseRows(counts, indices, values, int(shape[-1]))
+
     def _dtype(self, site: str):
         if site in ROW_MAP:
             return ROW_MAP[site]
         return np.dtype(DTYPES[self.index["sites"][site]["dtype"]])
 
     def batches(self, batch_size: int, *, sites: Sequence[str] | None = None, key: jax.Array | None = None,
-                drop_last: bool = False, row_map: bool = False) -> Iterator[dict[str, np.ndarray]]:
+                drop_last: bool = False, row_map: bool = False, dense: bool = False
+                ) -> Iterator[dict[str, np.ndarray | SparseRows]]:
         """Batches of ``batch_size`` rows: dicts ``site -> [batch, …]`` numpy arrays for ``sites`` (default: every
-        site), with ``document``, ``position`` and ``token`` too when ``row_map``. In row order, or in the order
-        of ``jax.random.permutation(key, len(self))`` when ``key`` is given; the last, smaller batch is kept unless
-        ``drop_last``. Each batch reads only its own rows from the shards."""
+        site; a sparse site as ``SparseRows``, or dense with ``dense=True``), with ``document``, ``position`` and
+        ``token`` too when ``row_map``. In row order, or in the order of ``jax.random.permutation(key,
+        len(self))`` when ``key`` is given; the last, smaller batch is kept unless ``drop_last``. Each batch reads
+        only its own rows from the shards."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         names = tuple(self.sites if sites is None else sites) + (tuple(ROW_MAP) if row_map else ())
@@ -212,26 +313,32 @@ class ActivationDataset:
         stop = n - n % batch_size if drop_last else n
         for start in range(0, stop, batch_size):
             rows = slice(start, min(start + batch_size, n)) if order is None else order[start:start + batch_size]
-            yield {s: self.read(s, rows) for s in names}
+            yield {s: self.read(s, rows, dense=dense) for s in names}
 
 
-def _checked_shard(folder: Path, entry: dict, sites: Sequence[str]) -> dict[str, np.ndarray]:
-    """The shard ``entry`` of ``index.json`` memory-mapped, checked to hold every site and the row map with the
-    rows the index lists. ValueError naming the shard when its header is corrupted, a tensor is missing or its
-    rows differ (a shard replaced or cut short: never read silently short)."""
+def _checked_shard(folder: Path, entry: dict, sites: Sequence[str], sparse: Sequence[str] = ()
+                   ) -> dict[str, np.ndarray]:
+    """The shard ``entry`` of ``index.json`` memory-mapped, checked to hold every site (a sparse one's counts with
+    the rows, its indices and values with the ``nnz`` the index lists) and the row map with the rows the index
+    lists. ValueError naming the shard when its header is corrupted, a tensor is missing or its rows differ (a
+    shard replaced or cut short: never read silently short)."""
     path = folder / entry["file"]
     fix = "the collection is damaged: collect it again into a new folder (or delete this one)"
     try:
         tensors = memmap_shard(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"shard {entry['file']} of the collection in {folder} cannot be read ({e}); {fix}") from None
-    for name in (*sites, *ROW_MAP):
+    dense = [s for s in sites if s not in sparse]
+    counted = {f"{s}.counts": entry["rows"] for s in sparse}
+    listed = {f"{s}.{part}": entry.get("nnz", {}).get(s) for s in sparse for part in ("indices", "values")}
+    for name, want in [*((n, entry["rows"]) for n in (*dense, *ROW_MAP)), *counted.items(), *listed.items()]:
         if name not in tensors:
             raise ValueError(f"shard {entry['file']} of the collection in {folder} holds no {name!r} tensor; {fix}")
         rows = tensors[name].shape[0] if tensors[name].ndim else None
-        if rows != entry["rows"]:
-            raise ValueError(f"shard {entry['file']} of the collection in {folder} holds {rows} rows of {name!r}, "
-                             f"but {INDEX} lists {entry['rows']}; {fix}")
+        if rows != want:
+            what = "entries" if name in listed else "rows"
+            raise ValueError(f"shard {entry['file']} of the collection in {folder} holds {rows} {what} of {name!r}, "
+                             f"but {INDEX} lists {want}; {fix}")
     return tensors
 
 

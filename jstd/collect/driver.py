@@ -21,7 +21,7 @@ from jaxtyping import Array, Int
 
 from jstd.collect.batches import (Batches, PositionFn, RowsMeta, bucket_lengths, corpus_batches, corpus_source,
                                   select_rows)
-from jstd.collect.dataset import ActivationDataset, bfloat16_safe
+from jstd.collect.dataset import ActivationDataset, bfloat16_safe, sparse_names
 from jstd.collect.resume import ResumeCheck, edits_key, model_key, positions_key, prepare
 from jstd.collect.writer import ShardWriterThread
 from jstd.core.edits import as_edits
@@ -48,6 +48,7 @@ def collect(
     positions: str | PositionFn = "all",
     edits=(),
     dtype=None,
+    sparse: Sequence[str] | None = None,
     shard_bytes: int = SHARD_BYTES,
     progress: bool = True,
 ) -> ActivationDataset:
@@ -73,6 +74,10 @@ def collect(
     edits: edits applied on every batch (an ablation, a steering vector), as ``jstd.run`` takes them; their
         ``positions`` index the padded batch.
     dtype: the dtype written (``"bfloat16"``, ``jnp.float16``…; default: the model's), cast on the device.
+    sparse: the sites written sparse: each vector along the site's last axis as its nonzero entries (counts,
+        indices and values: ``dataset.py``; ``ActivationDataset.read`` gives them back as ``SparseRows``, or
+        dense with ``dense=True``). None (the default): every dictionary's ``X.sae.latents`` among ``sites``
+        (collected under ``edits=jstd.splice(...)``); ``()``: none.
     shard_bytes: the size of a shard's site tensors; the writer holds one shard and the batches in flight.
 
     Writes ``out_dir``: safetensors shards and ``index.json`` (``jstd/collect/dataset.py``); each shard is written
@@ -86,6 +91,7 @@ def collect(
     model, path = _as_model(model)
     sites = (sites,) if isinstance(sites, str) else tuple(sites)
     layouts = _checked_layouts(model, sites, batch_size, max_length)
+    sparse = _sparse_sites(sites, sparse, layouts)
     lengths = bucket_lengths(max_length, lengths)
     positions_setting = positions_key(positions)
     write_dtype = None if dtype is None else _floating(dtype)
@@ -95,12 +101,14 @@ def collect(
     settings = dict(sites=list(sites), positions=positions_setting, batch_size=batch_size, max_length=max_length,
                     lengths=list(lengths), dtype=write_dtype, edits=edits_key(edits), model=model_key(model),
                     data=kind, column=column if kind == "texts" else None, shard_bytes=int(shard_bytes))
+    if sparse:  # (absent when none is: collections written before sparse sites resume as they were)
+        settings["sparse"] = list(sparse)
     out = Path(out_dir)
     index = prepare(out, settings, model, path, layouts)
 
     batches = corpus_batches(kind, source, processor, batch_size, max_length, lengths, model.config.vocab_size)
     check = ResumeCheck(out, index)
-    writer = ShardWriterThread(out, index, sites, shard_bytes, progress, hasher=check.hasher)
+    writer = ShardWriterThread(out, index, sites, shard_bytes, progress, hasher=check.hasher, sparse=sparse)
     edits_tuple = as_edits(edits)
     try:
         documents = _run_batches(model, batches, check, writer, sites, positions, edits_tuple, write_dtype)
@@ -143,6 +151,25 @@ def _checked_layouts(model, sites: tuple[str, ...], batch_size: int, max_length:
         raise ValueError(f"batch_size and max_length must be positive, got {batch_size} and {max_length}")
     check_sites(model, sites, "collect")
     return {s: row_layout(model, s) for s in sites}
+
+
+def _sparse_sites(sites: tuple[str, ...], sparse: Sequence[str] | None, layouts: dict[str, dict]
+                  ) -> tuple[str, ...]:
+    """The sites written sparse (their layouts marked with their tensors' names): ``sparse``, or every
+    ``X.sae.latents`` among ``sites`` when None. ValueError for a name not among ``sites`` or a site whose rows
+    have no axis to be sparse along."""
+    if sparse is None:
+        sparse = tuple(s for s in sites if parse(s)[0].endswith(".sae.latents"))
+    sparse = (sparse,) if isinstance(sparse, str) else tuple(sparse)
+    for s in sparse:
+        if s not in sites:
+            raise ValueError(f"collect: sparse={s!r} is not among the sites collected ({', '.join(sites)}); "
+                             "name sites as in sites=")
+        if len(layouts[s]["layout"]) < 2:
+            raise ValueError(f"collect: {s!r} holds one number per token (layout {layouts[s]['layout']}); a sparse "
+                             "site is stored along its last axis: write it dense")
+        layouts[s]["sparse"] = sparse_names(s)
+    return sparse
 
 
 def _text_processor(kind: str, processor, path: str | None):

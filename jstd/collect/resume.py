@@ -35,7 +35,8 @@ def prepare(out: Path, settings: dict, model, path: str | None, layouts: dict[st
                              "folder")
         out.mkdir(parents=True, exist_ok=True)
         index = dict(format=FORMAT, version=VERSION, complete=False, rows=0, shards=[],
-                     sites={s: dict(layout=l["layout"], blocks=l["blocks"], shape=None, dtype=None)
+                     sites={s: dict(layout=l["layout"], blocks=l["blocks"], shape=None, dtype=None,
+                                    **({"sparse": l["sparse"]} if "sparse" in l else {}))
                             for s, l in layouts.items()},
                      row_map={name: dict(dtype=str(np.dtype(dt))) for name, dt in ROW_MAP.items()},
                      model=dict(family=model.family, model_type=model.config.model_type, path=path,

@@ -9,10 +9,10 @@ from jstd.sae.features import (
 )
 from jstd.sae.format import hook_name_of, load_sae, save_sae, site_of
 from jstd.sae.module import SAE, init, stack, topk
-from jstd.sae.splice import Splice, sae_site, splice
+from jstd.sae.splice import FeatureEdit, Splice, sae_site, splice
 from jstd.sae.train import Trained, train
 
-__all__ = ["SAE", "init", "stack", "topk", "load_sae", "save_sae", "site_of", "hook_name_of", "Splice", "splice",
+__all__ = ["SAE", "init", "stack", "topk", "load_sae", "save_sae", "site_of", "hook_name_of", "Splice", "FeatureEdit", "splice",
            "sae_site", "train", "Trained", "feature_mask", "ablate_features", "steer_feature", "clamp_features",
            "feature_attribution", "feature_attribution_patching", "feature_patch_sweep", "sparse_latents",
            "dense_latents"]

@@ -1,8 +1,9 @@
 """The toolkit on a spliced dictionary's features: ablation, steering and clamping as edits, attribution to features,
 a patching sweep over (block, feature) pairs, sparse latents.
 
-Every edit here is a plain ``jstd.Zero`` / ``Add`` / ``Set`` at ``site + ".sae.latents"`` with a mask over the
-``sae`` axis, so it composes with any other edit, runs in ``jstd.generate`` (clamped features while decoding), and a
+Every edit here edits ``site + ".sae.latents"`` at the features named (a ``FeatureEdit``: the plain zero, add or
+set with a mask over the ``sae`` axis, which lets an unread splice compute only those features; a bool mask of
+features gives a plain ``jstd.Zero`` / ``Add`` / ``Set``), so it composes with any other edit, runs in ``jstd.generate`` (clamped features while decoding), and a
 ``vmap`` over its arrays (features, amounts, blocks) is one compile. Pass it after the ``jstd.splice`` edits.
 ``metric``: a function of the logits to a scalar (as ``jstd.logit_difference`` makes).
 """
@@ -19,7 +20,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jstd.core.edits import Add, Set, Zero
 from jstd.core.sites import parse
 from jstd.run import run
-from jstd.sae.splice import Splice, sae_site
+from jstd.sae.splice import FeatureEdit, Splice, sae_site
 
 
 def feature_mask(d_sae: int, features) -> Bool[Array, "d_sae"]:
@@ -30,21 +31,36 @@ def feature_mask(d_sae: int, features) -> Bool[Array, "d_sae"]:
     return (jnp.arange(d_sae)[:, None] == features.reshape(-1)[None, :]).any(-1)
 
 
-def ablate_features(site: str, features, d_sae: int, *, layer=None, positions=None) -> Zero:
-    """Zero ``features`` of the dictionary spliced at ``site`` (at ``layer`` and ``positions``; None: all)."""
-    return Zero(sae_site(site, "latents"), layer=layer, positions=positions, where=feature_mask(d_sae, features))
+def _is_mask(features) -> bool:
+    return jnp.asarray(features).dtype == bool
 
 
-def steer_feature(site: str, feature, amount, d_sae: int, *, layer=None, positions=None) -> Add:
+def ablate_features(site: str, features, d_sae: int, *, layer=None, positions=None) -> FeatureEdit | Zero:
+    """Zero ``features`` of the dictionary spliced at ``site`` (at ``layer`` and ``positions``; None: all).
+    Indices give a ``FeatureEdit`` (only those features' latents are computed where nothing reads them); a bool
+    mask ``[d_sae]`` a ``Zero`` with that mask."""
+    if _is_mask(features):
+        return Zero(sae_site(site, "latents"), layer=layer, positions=positions, where=feature_mask(d_sae, features))
+    return FeatureEdit(sae_site(site, "latents"), "zero", features, layer=layer, positions=positions)
+
+
+def steer_feature(site: str, feature, amount, d_sae: int, *, layer=None, positions=None) -> FeatureEdit | Add:
     """Add ``amount`` to ``feature``'s activation (what the site passes on moves by ``amount · W_dec[feature]``)."""
-    return Add(sae_site(site, "latents"), jnp.asarray(amount) * feature_mask(d_sae, feature), layer=layer,
-               positions=positions)
+    if _is_mask(feature):
+        return Add(sae_site(site, "latents"), jnp.asarray(amount) * feature_mask(d_sae, feature), layer=layer,
+                   positions=positions)
+    return FeatureEdit(sae_site(site, "latents"), "add", feature, amount, layer=layer, positions=positions)
 
 
-def clamp_features(site: str, features, value, d_sae: int, *, layer=None, positions=None) -> Set:
-    """Set ``features``' activations to ``value`` (a scalar or ``[d_sae]``)."""
-    return Set(sae_site(site, "latents"), jnp.broadcast_to(jnp.asarray(value, jnp.float32), (d_sae,)), layer=layer,
-               positions=positions, where=feature_mask(d_sae, features))
+def clamp_features(site: str, features, value, d_sae: int, *, layer=None, positions=None) -> FeatureEdit | Set:
+    """Set ``features``' activations to ``value`` (a scalar, one per feature, or ``[d_sae]``)."""
+    value = jnp.asarray(value, jnp.float32)
+    if _is_mask(features):
+        return Set(sae_site(site, "latents"), jnp.broadcast_to(value, (d_sae,)), layer=layer, positions=positions,
+                   where=feature_mask(d_sae, features))
+    features = jnp.asarray(features).reshape(-1)
+    amounts = value[features] if value.shape == (d_sae,) and d_sae != features.shape[0] else value
+    return FeatureEdit(sae_site(site, "latents"), "set", features, amounts, layer=layer, positions=positions)
 
 
 def _d_sae(splices, site: str) -> int:

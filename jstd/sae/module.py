@@ -33,7 +33,7 @@ from typing import Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 ARCHITECTURES = ("standard", "topk", "jumprelu", "transcoder", "jumprelu_transcoder")
 ALIASES = {"relu": "standard", "batchtopk": "jumprelu"}  # BatchTopK infers as JumpReLU with a learned threshold
@@ -180,11 +180,28 @@ class SAE(eqx.Module):
         y = latents @ self.W_dec + self.b_dec
         return y if self.transcoder else self._norm_out(y, x)
 
+    @property
+    def linear_decoder(self) -> bool:
+        """Whether the reconstruction is linear in the latents plus ``b_dec`` (no input norm to undo)."""
+        return self.transcoder or self.normalize_activations in ("none", "expected_average_only_in")
+
+    def columns(self, features: Int[Array, "n"]) -> "SAE":
+        """The dictionary cut to ``features`` (ints, traced allowed; one dictionary, not a stack): their encoder
+        columns, encoder biases, thresholds and decoder rows. For ReLU and JumpReLU (each latent computed alone)
+        its latents are this dictionary's at ``features``; a TopK's are not (which k win needs every latent)."""
+        if self.stacked:
+            raise ValueError("columns cuts one dictionary; index the stack first (sae[i])")
+        cut = lambda a, axis: jnp.take(a, features, axis=axis)
+        threshold = None if self.threshold is None else cut(self.threshold, -1)
+        return eqx.tree_at(lambda s: (s.W_enc, s.b_enc, s.W_dec, s.threshold), self,
+                           (cut(self.W_enc, -1), cut(self.b_enc, -1), cut(self.W_dec, -2), threshold),
+                           is_leaf=lambda a: a is None)
+
     def decode_change(self, new: Float[Array, "... d_sae"], old: Float[Array, "... d_sae"],
                       x: Float[Array, "... d_in"] | None = None) -> Float[Array, "... d_out"]:
         """``decode(new) - decode(old)``: one product with ``W_dec`` where the decoder is linear in the latents
         (no output norm to undo), so it is exactly zero wherever ``new == old``."""
-        if self.transcoder or self.normalize_activations in ("none", "expected_average_only_in"):
+        if self.linear_decoder:
             change = jnp.asarray(new).astype(self.dtype) - jnp.asarray(old).astype(self.dtype)
             if self.rescale_acts_by_decoder_norm:
                 change = change / jnp.linalg.norm(self.W_dec, axis=-1)

@@ -28,9 +28,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array
+from jaxtyping import Array, Float, Int
 
-from jstd.core.edits import Edit
+from jstd.core.edits import Edit, check_index, selection_mask
 from jstd.core.sites import SITES, SiteError, parse
 from jstd.models.base import Model
 from jstd.run import check_sites
@@ -38,6 +38,74 @@ from jstd.sae.format import site_of
 from jstd.sae.module import SAE, stack
 
 _SOURCES = "_sae_sources"  # the Tap attribute holding transcoders' inputs while one block traces
+_COLUMNS = "_sae_columns"  # the Tap attribute: latents site -> the features a Splice computed alone
+
+
+class FeatureEdit(Edit):
+    """Zero, set or add to a few features of a spliced dictionary's latents (``site``: ``X.sae.latents``).
+
+    features: feature indices ``[n]`` (ints, traced allowed); amounts: ``[n]`` (``set``, ``add``; None for
+    ``zero``); how: ``"zero"``, ``"set"`` or ``"add"``; layer, positions as every edit. A feature named twice gets
+    the sum of its amounts (``add``) or its last amount (``set``). On the latents it is the plain edit with a mask
+    over the ``sae`` axis; where nothing reads the latents, reconstruction or error, the splice computes only
+    these features' latents (ReLU, JumpReLU) and decoder rows, so the dictionary costs ``O(n)`` per token, not
+    ``O(d_sae)`` (``Splice``). Made by ``jstd.sae.ablate_features``, ``steer_feature``, ``clamp_features``.
+    """
+
+    features: Int[Array, "n"]
+    amounts: Float[Array, "n"] | None
+    how: str = eqx.field(static=True)
+
+    def __init__(self, site: str, how: str, features, amounts=None, *, layer=None, positions=None):
+        self._init_site(site, layer, None, positions)
+        if not self.site.endswith(".sae.latents"):
+            raise SiteError(f"FeatureEdit edits a dictionary's latents (X.sae.latents), not {site!r}")
+        if how not in ("zero", "set", "add"):
+            raise ValueError(f"FeatureEdit: how must be 'zero', 'set' or 'add', got {how!r}")
+        if (amounts is None) != (how == "zero"):
+            raise ValueError(f"FeatureEdit: {how!r} {'takes no' if how == 'zero' else 'needs'} amounts")
+        features = jnp.asarray(features)
+        if not jnp.issubdtype(features.dtype, jnp.integer):
+            raise TypeError(f"FeatureEdit: features are integer indices, got dtype {features.dtype}")
+        self.features = features.reshape(-1)
+        self.amounts = None if amounts is None else jnp.broadcast_to(jnp.asarray(amounts, jnp.float32),
+                                                                     self.features.shape)
+        self.how = how
+
+    def arrays(self) -> tuple[str, ...]:
+        return ()  # its arrays index the sae axis: nothing broadcasts against the site's value
+
+    def op(self, value):
+        return self._edited(value, jnp.arange(value.shape[-1]), value.shape[-1])
+
+    def within(self, value: Array, scope) -> Array:
+        view = getattr(scope.tap, _COLUMNS, {}).get(self.site)  # (the features value holds, d_sae)
+        if view is None:
+            return self(value)
+        return self._selected(self._edited(value, *view), value)
+
+    def __call__(self, value: Array) -> Array:
+        return self._selected(self.op(value), value)
+
+    def _selected(self, new, value):
+        mask = selection_mask(self.site, value.shape, self.positions, None, f"FeatureEdit at {self.site}")
+        return new if mask is None else jnp.where(mask, new, value)
+
+    def _edited(self, value, columns, d_sae: int):
+        """``value`` (latents at the features ``columns`` of ``d_sae`` along its last axis) with this edit's
+        features edited. Features outside ``-d_sae..d_sae-1``: SiteError (an equinox runtime error when traced)."""
+        features = check_index(self.features, d_sae, f"FeatureEdit at {self.site}: features", "sae")
+        features = jnp.where(features < 0, features + d_sae, features)
+        match = features[:, None] == columns[None, :]  # [n, columns]
+        hit = match.any(0)
+        if self.how == "zero":
+            new = jnp.zeros_like(value)
+        elif self.how == "add":
+            new = value + jnp.where(match, self.amounts[:, None], 0.0).sum(0).astype(value.dtype)
+        else:
+            last = jnp.max(jnp.where(match, jnp.arange(1, len(features) + 1)[:, None], 0), axis=0) - 1
+            new = jnp.broadcast_to(self.amounts[jnp.maximum(last, 0)].astype(value.dtype), value.shape)
+        return jnp.where(hit, new, value)
 
 
 def sae_site(site: str, name: str) -> str:
@@ -121,13 +189,19 @@ class Splice(Edit):
             if x_in is None:
                 raise SiteError(f"the transcoder at {self.site} reads {self.source}, which this block did not "
                                 "compute before it")
+        edited = scope.tap.edits
+        whole = lambda name: scope.prefix + self._sub(name)
+        wide = jnp.promote_types(x.dtype, sae.dtype)
+        on_latents = edited.get(whole("latents"), ())
+        if (on_latents and all(isinstance(e, FeatureEdit) for e in on_latents) and sae.linear_decoder
+                and whole("latents") not in scope.tap.reads
+                and not scope.touches(self._sub("reconstruction"), self._sub("error"))):
+            out = self._features_only(sae, x, x_in, active, on_latents, scope, wide)
+            return out if active is None else jnp.where(active, out, x)
         latents = sae.encode(x_in)
         if active is not None:
             latents = jnp.where(active, latents, jnp.zeros_like(latents))
-        edited = scope.tap.edits
-        whole = lambda name: scope.prefix + self._sub(name)
         new_latents = scope(self._sub("latents"), latents)
-        wide = jnp.promote_types(x.dtype, sae.dtype)
         if whole("latents") in edited and not (whole("reconstruction") in edited or whole("error") in edited):
             # x plus the change in the reconstruction: x itself, bit for bit, wherever the latents are unedited
             out = (x.astype(wide) + sae.decode_change(new_latents, latents, x_in).astype(wide)).astype(x.dtype)
@@ -141,6 +215,29 @@ class Splice(Edit):
             if whole("reconstruction") in edited or whole("error") in edited:
                 out = read_recon + read_error
         return out if active is None else jnp.where(active, out, x)
+
+    def _features_only(self, sae: SAE, x, x_in, active, on_latents, scope, wide):
+        """``x`` plus the change the feature edits make to the reconstruction, computing only the edited features'
+        latents (ReLU, JumpReLU: each alone; TopK: every latent, then these) and decoder rows: the latents there
+        equal the whole dictionary's up to float32 rounding (a dot product over ``d_in`` summed in another
+        order), and the site's value is ``x`` bit for bit wherever they are unedited."""
+        columns = jnp.concatenate([e.features for e in on_latents]).astype(jnp.int32)
+        columns = jnp.where(columns < 0, columns + sae.d_sae, columns)
+        cut = sae.columns(columns)
+        old = jnp.take(sae.encode(x_in), columns, axis=-1) if sae.activation == "topk" else cut.encode(x_in)
+        if active is not None:
+            old = jnp.where(active, old, jnp.zeros_like(old))
+        latents = scope.prefix + self._sub("latents")
+        views = getattr(scope.tap, _COLUMNS, {})
+        setattr(scope.tap, _COLUMNS, {**views, latents: (columns, sae.d_sae)})
+        try:
+            new = scope(self._sub("latents"), old)
+        finally:
+            setattr(scope.tap, _COLUMNS, views)
+        n = columns.shape[0]
+        earlier = (columns[:, None] == columns[None, :]) & (jnp.arange(n)[None, :] < jnp.arange(n)[:, None])
+        new = jnp.where(earlier.any(1), old, new)  # a feature named twice: its change counted once
+        return (x.astype(wide) + cut.decode_change(new, old, x_in).astype(wide)).astype(x.dtype)
 
 
 def splice(model: Model, sae: SAE | Sequence[SAE], site: str | None = None, layer=None, *,

@@ -99,7 +99,7 @@ class Rows:
     def read(self, rows: np.ndarray) -> np.ndarray:
         if isinstance(self.dataset, (np.ndarray, jax.Array)):
             return np.asarray(np.asarray(self.dataset)[rows], np.float32)
-        x = self.dataset.read(self.site, rows)
+        x = self.dataset.read(self.site, rows, dense=True)
         return np.asarray(x[:, self.block] if self.block is not None else x, np.float32)
 
 
