@@ -145,3 +145,50 @@ def test_float32_products_on_tpu_need_the_highest_precision(v5e):
             hlo[precision] = jax.jit(lambda a, b: a @ b).lower(a, a).compile().as_text()
     assert "operand_precision={highest,highest}" in hlo["highest"]
     assert "operand_precision" not in hlo["default"]
+
+
+# Qwen3.5-shaped (a gated-DeltaNet block and a gated-attention block) at widths of 512: the DeltaNet q [512, 16, 128]
+# and v [512, 32, 128] projections, so that half of v's heads has the shape of the whole of q
+SMALL_QWEN35 = dict(model_type="qwen3_5_text", hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                    num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                    linear_conv_kernel_dim=4, vocab_size=4096, max_position_embeddings=512, rms_norm_eps=1e-6,
+                    tie_word_embeddings=True, layer_types=["linear_attention", "full_attention"],
+                    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                                         mrope_section=[11, 11, 10], mrope_interleaved=True))
+
+
+def test_a_shard_shaped_like_another_weight_is_not_a_whole_gather(aot, v5e):
+    """The check's negative control: under FSDP_TP the DeltaNet v projection is gathered over its hidden dim 16
+    heads at a time, a result of the whole q's shape ([16, 128, 512] to q's [512, 16, 128]); the check follows the
+    gather back to v, of which it holds half, and reports no whole gather."""
+    import re
+
+    from jstd.aot.report import compile_report
+    from jstd.sharding import FSDP_TP, mesh
+
+    m = mesh(2, 2, devices=v5e.devices)
+    model = aot.abstract_model(aot.config(SMALL_QWEN35), m, FSDP_TP)
+    fn, args = aot.program("forward", model, m, FSDP_TP, batch=4, seq=64)
+    report, compiled = compile_report(fn, args, v5e, program="forward", mesh=m, layout="FSDP_TP")
+    gathered = [sorted(int(d) for d in dims.split(",")) for line in compiled.as_text().splitlines()
+                for dims in re.findall(r"bf16\[([\d,]+)\]\S* all-gather\(", line)]
+    assert [16, 128, 512] in gathered  # a gather of q's whole shape (the case the check must tell apart)
+    assert report.whole_gathers == []
+
+
+def test_whole_weight_gathers_are_found_on_h200(aot, h200):
+    """The positive control on XLA:GPU, which gathers a weight sharded over both mesh axes one axis at a time (a
+    gather of the first gather): the replicated embed is reported, and no other weight (half the embed holds as
+    many elements as a stacked attention weight)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jstd.aot.report import compile_report
+    from jstd.sharding import FSDP_TP, mesh
+
+    m = mesh(2, 4, devices=h200.devices)
+    model = aot.abstract_model(aot.config(SMALL), m, FSDP_TP)
+    whole = lambda model: jax.lax.with_sharding_constraint(model.embed, NamedSharding(m, PartitionSpec())) * 2
+    report, compiled = compile_report(whole, (model,), h200, mesh=m)
+    assert compiled.as_text().count("all-gather-start(") == 2
+    assert report.whole_gathers == ["embed [4096, 1024]"]

@@ -26,9 +26,6 @@ from jstd.models.namemap import leaf_paths
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 # parameters smaller than this are gathered whole by design (norm weights, biases) and are not reported
 WHOLE_GATHER_MIN_ELEMENTS = 1 << 20
-# an operand that is an argument of the entry computation (``%param``, ``%param.3``; not a fused computation's
-# ``%param_0.12``)
-_ARGUMENT = re.compile(r"%param(\.\d+)?[),]")
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
           "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -157,42 +154,181 @@ def collectives(hlo: str) -> dict:
     return {k: tuple(v) for k, v in out.items()}
 
 
+# what a value passes through unchanged in its elements (laid out, shaped or typed anew)
+# (a collective permute moves shards between chips, each chip still holds a shard of the weight; an all-gather
+# gathers more of it: XLA:GPU gathers a weight sharded over two mesh axes over one axis, then the other)
+_PASS = ("bitcast", "copy", "copy-start", "copy-done", "reshape", "transpose", "convert", "bitcast-convert",
+         "optimization-barrier", "collective-permute", "collective-permute-start", "collective-permute-done",
+         "slice-start", "all-gather", "all-gather-start", "all-gather-done")
+_SLICE = ("slice", "dynamic-slice", "slice-done")
+_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) ")
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = ")
+
+
+def _balanced(text: str) -> int:
+    """The index of the parenthesis closing the one that opens ``text``'s first character's group (``text`` starts
+    inside it, at depth 1)."""
+    depth = 1
+    for at, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return at
+    return len(text)
+
+
+def _computations(hlo: str) -> tuple[dict, str]:
+    """``({computation: {instruction: (type, opcode, operand names, attributes, operand text)}}, entry name)`` of
+    an HLO text; each computation's root is stored under the key ``None`` as well."""
+    comps, entry, current = {}, "", None
+    for line in hlo.splitlines():
+        if line.endswith("{") and not line.startswith(" ") and (m := _HEADER.match(line)):
+            current = comps.setdefault(m.group(2), {})
+            entry = m.group(2) if m.group(1) else entry
+            continue
+        if current is None or not (m := _INSTRUCTION.match(line)):
+            continue
+        rhs = line[m.end():]
+        if rhs.startswith("("):  # a tuple type, up to its closing parenthesis
+            end = _balanced(rhs[1:]) + 1
+            type_, rest = rhs[:end + 1], rhs[end + 1:].lstrip()
+        else:
+            type_, _, rest = rhs.partition(" ")
+        opcode, _, rest = rest.partition("(")
+        end = _balanced(rest)
+        inst = (type_, opcode, re.findall(r"%([\w.\-]+)", rest[:end]), rest[end + 1:], rest[:end])
+        current[m.group(2)] = inst
+        if m.group(1):
+            current[None] = inst
+    return comps, entry
+
+
+def _callers(comps: dict) -> dict:
+    """``{computation: (calling computation, calling instruction, operand number of its parameter 0)}``: fused
+    computations (parameter k is the fusion's operand k), loop bodies (the loop's operand 0) and a conditional's
+    branches (branch b's parameter is the conditional's operand b + 1)."""
+    out = {}
+    for outer, insts in comps.items():
+        for name, (_, opcode, _, attrs, _) in insts.items():
+            if name is None:
+                continue
+            if opcode == "fusion" and (m := re.search(r"calls=%([\w.\-]+)", attrs)):
+                out.setdefault(m.group(1), (outer, name, 0))
+            elif opcode == "while" and (m := re.search(r"body=%([\w.\-]+)", attrs)):
+                out.setdefault(m.group(1), (outer, name, 0))
+            elif opcode == "conditional" and (m := re.search(r"branch_computations=\{([^}]*)\}", attrs)):
+                for b, branch in enumerate(re.findall(r"%([\w.\-]+)", m.group(1))):
+                    out.setdefault(branch, (outer, name, b + 1))
+    return out
+
+
+def _count(type_: str) -> int:
+    shapes = _SHAPE.findall(type_)
+    return math.prod(int(d) for d in shapes[-1][1].split(",") if d) if shapes else 0
+
+
+def _sources(comps: dict, callers: dict, entry: str, comp: str, name, index=None, sliced=None, depth=0) -> list:
+    """``[(entry parameter number, elements of the slice taken of it or None)]``: the program arguments whose
+    elements the value ``name`` of ``comp`` (its tuple element ``index``) holds unchanged, through copies,
+    bitcasts, reshapes, transposes, slices, fusions' parameters and roots, a loop's carried tuple and a
+    conditional's branches (one source per branch); empty when it is computed. ``name`` None: the root."""
+    inst = comps.get(comp, {}).get(name)
+    if inst is None or depth > 256:
+        return []
+    type_, opcode, operands, attrs, args = inst
+    follow = lambda c, n, i=None, s=sliced: _sources(comps, callers, entry, c, n, i, s, depth + 1)
+    if opcode == "parameter":
+        number = int(args)
+        if comp == entry:
+            return [(number, sliced)] if index is None else []
+        if comp not in callers:
+            return []
+        outer, call, first = callers[comp]
+        call_operands = comps[outer][call][2]
+        at = first + number
+        return follow(outer, call_operands[at], index) if at < len(call_operands) else []
+    if index is not None:  # an element of a tuple
+        if opcode == "tuple":
+            return follow(comp, operands[index]) if index < len(operands) else []
+        if opcode in ("copy-start", "collective-permute-start"):  # (source, destination, ...): the source's elements
+            return follow(comp, operands[0]) if index in (0, 1) else []
+        if opcode == "fusion" and (m := re.search(r"calls=%([\w.\-]+)", attrs)):
+            return follow(m.group(1), None, index)
+        if opcode == "custom-call" and 'custom_call_target="AsyncCollective' in attrs and index < len(operands):
+            # XLA:TPU's asynchronous collective: element 0 of its start is the collective's input, carried along
+            inner = comps[comp].get(operands[index])
+            if inner is not None and inner[1] in COLLECTIVES:
+                return follow(comp, inner[2][0]) if index == 0 and inner[2] else []
+            return follow(comp, operands[index])
+        if opcode == "conditional" and (m := re.search(r"branch_computations=\{([^}]*)\}", attrs)):
+            return [s for b in re.findall(r"%([\w.\-]+)", m.group(1)) for s in follow(b, None, index)]
+        return []
+    if opcode == "get-tuple-element" and operands:
+        return follow(comp, operands[0], int(re.search(r"index=(\d+)", attrs).group(1)))
+    if opcode in _SLICE and operands:
+        return follow(comp, operands[0], None, _count(type_) if sliced is None else sliced)
+    if opcode in _PASS and operands:
+        return follow(comp, operands[0])
+    if opcode == "fusion" and (m := re.search(r"calls=%([\w.\-]+)", attrs)):
+        return follow(m.group(1), None)
+    if opcode == "custom-call" and 'custom_call_target="ConcatBitcast"' in attrs:
+        # XLA:TPU puts an argument's slices back together: the argument itself when they are all of it
+        parts = {n for operand in operands for n, _ in follow(comp, operand, None, None)}
+        whole = next((i for n, i in comps[entry].items() if n is not None and i[1] == "parameter"
+                      and len(parts) == 1 and int(i[4]) in parts), None)
+        return [(parts.pop(), sliced)] if whole and _count(whole[0]) == _count(type_) else []
+    return []
+
+
+def _argument_name(line_metadata: str) -> str | None:
+    """A program argument's leaf path from its ``op_name`` (``model.layers.slots[0].attn.q`` ->
+    ``layers.slots.0.attn.q``: the argument's own name dropped, indices and keys dotted)."""
+    m = re.search(r'op_name="([^"]+)"', line_metadata)
+    if not m or "." not in m.group(1):
+        return None
+    path = m.group(1).split(".", 1)[1]
+    return re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path).strip(".")
+
+
 def whole_gathers(hlo: str, model) -> list[str]:
-    """The sharded parameters of ``model`` (abstract leaves with shardings) that an all-gather in ``hlo`` produces
-    whole, at least ``WHOLE_GATHER_MIN_ELEMENTS`` elements: a result of the parameter's dtype whose dimensions are
-    the whole parameter's (or one block's of a stacked one), in any order; or, for an all-gather of a program
-    argument itself, as many elements (XLA:TPU gathers an argument in a shape of its own: a [4096, 1024] weight as
-    [8192, 512]). Activations of a weight's size but another shape are not reported; one of a weight's very
-    shape is (a [1024, 4096] stream of 1024 tokens matches a [1024, 4096] weight): read a report as "check these"."""
-    hlo_dtype = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "float64": "f64"}
-    by_dims, by_count = {}, {}
+    """The sharded parameters of ``model`` (abstract leaves with shardings, at least ``WHOLE_GATHER_MIN_ELEMENTS``
+    elements) that an all-gather in ``hlo`` produces whole. Each all-gather's operand is followed back (through
+    copies, bitcasts, reshapes, transposes, slices, fusions' parameters and roots, a loop's carried tuple) to the
+    program argument whose elements it holds, named by its metadata; the gather is whole when its result holds
+    as many elements as that argument's global shape (``path [shape]``), or, when a slice of it was taken (one
+    block of a stacked weight, in a loop over blocks), as many as the slice's global extent
+    (``path[block] [shape]`` for one block). A gather of a computed value (an activation) is never reported."""
+    leaves = {}
     for path, leaf in leaf_paths(model):
         sharding = getattr(leaf, "sharding", None)
         if sharding is None or not hasattr(sharding, "shard_shape"):
             continue
-        shape, dt = tuple(leaf.shape), hlo_dtype.get(str(leaf.dtype))
-        if sharding.shard_shape(shape) == shape or math.prod(shape) < WHOLE_GATHER_MIN_ELEMENTS:
-            continue
-        by_dims.setdefault((dt, tuple(sorted(shape))), f"{path} {list(shape)}")
-        by_count.setdefault((dt, math.prod(shape)), f"{path} {list(shape)}")
-        if len(shape) >= 3 and math.prod(shape[1:]) >= WHOLE_GATHER_MIN_ELEMENTS and \
-                sharding.shard_shape(shape)[1:] != shape[1:]:
-            by_dims.setdefault((dt, tuple(sorted(shape[1:]))), f"{path}[block] {list(shape[1:])}")
+        shape = tuple(leaf.shape)
+        if sharding.shard_shape(shape) != shape:
+            leaves[path] = shape
+    comps, entry = _computations(hlo)
+    callers = _callers(comps)
+    params = {int(i[4]): i for n, i in comps.get(entry, {}).items() if n is not None and i[1] == "parameter"}
     found = []
-    for line in hlo.splitlines():
-        at = max(line.find(" all-gather("), line.find(" all-gather-start("))
-        if at < 0:
-            continue
-        shapes = _SHAPE.findall(line[:at])
-        if not shapes:
-            continue
-        dt, text = shapes[-1]
-        dims = tuple(int(d) for d in text.split(",") if d)
-        entry = by_dims.get((dt, tuple(sorted(d for d in dims))))
-        if entry is None and _ARGUMENT.match(line[line.index("(", at) + 1:]):
-            entry = by_count.get((dt, math.prod(dims)))
-        if entry is not None and entry not in found:
-            found.append(entry)
+    for comp, insts in comps.items():
+        for name, (type_, opcode, operands, _, _) in insts.items():
+            if name is None or opcode not in ("all-gather", "all-gather-start") or not operands:
+                continue
+            for number, sliced in _sources(comps, callers, entry, comp, operands[0]):
+                param = params.get(number)
+                path = _argument_name(param[3]) if param else None
+                if path not in leaves:
+                    continue
+                shape, count = leaves[path], _count(type_)
+                if sliced is None:
+                    text = f"{path} {list(shape)}"
+                    whole = count == math.prod(shape)
+                else:  # a slice of the argument: whole when the gather holds the slice's every shard
+                    per_chip = _count(param[0])
+                    whole = bool(per_chip) and count * per_chip == sliced * math.prod(shape)
+                    block = len(shape) >= 2 and sliced * shape[0] == per_chip
+                    text = f"{path}[block] {list(shape[1:])}" if block else f"{path}[slice] {count} elements"
+                if whole and count >= WHOLE_GATHER_MIN_ELEMENTS and text not in found:
+                    found.append(text)
     return found
 
 
