@@ -233,11 +233,13 @@ class _Pass:
             return slot.rows[j]
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), slot)
 
-    def block(self, h, j, q: int, k, block):
-        """``(h, records)`` of block ``j * p + q + k`` (``k``: traced inside a run's scan, else 0) over ``h``."""
+    def block(self, h, j, q: int, k, take: Callable):
+        """``(h, records)`` of block ``j * p + q + k`` (``k``: traced inside a run's scan, else 0) over ``h``;
+        ``take()`` gives its parameters. It is called inside the block's branch, so a block skipped under
+        ``first`` never slices its row out of the stacked weights (on CPU such a slice is a copy of the block)."""
         stack = self.stack
         layer = j * stack.period + q + k
-        host = block.attn.host
+        host = stack.slots[q].attn.host
         past = self.pasts.get(host)
         if past is not None:  # stacked over the blocks with the host
             row = self.index_in(frozenset(g for g, slot in enumerate(stack.slots) if slot.has(host)), j, q, k)
@@ -248,7 +250,7 @@ class _Pass:
             args = self.args[host]
             if isinstance(args, dict):  # by block kind (a run holds slots of one kind: Stack.runs)
                 args = args[stack.kinds[q]]
-            h = block(constrain_rows(h), args, s, past)  # a no-op without jax.set_mesh
+            h = take()(constrain_rows(h), args, s, past)  # a no-op without jax.set_mesh
             return (h if self.after is None else self.after(h, layer)), s.records
 
         return step(h) if self.first is None else _from_block(self.first, layer, step, h)
@@ -261,11 +263,11 @@ class _Pass:
         traced block for the run, each row's arrays sliced once, as the scan over periods slices them (a
         ``jnp.stack`` of the rows would copy them once more, and compiles slower)."""
         if len(qs) == 1:
-            h, records = self.block(h, j, qs[0], 0, self.row(qs[0], j))
+            h, records = self.block(h, j, qs[0], 0, lambda: self.row(qs[0], j))
             return h, {site: v[None] for site, v in records.items()}, [h]
 
         def body(h, k):
-            h, records = self.block(h, j, qs[0], k, jax.lax.switch(k, [lambda q=q: self.row(q, j) for q in qs]))
+            h, records = self.block(h, j, qs[0], k, lambda: jax.lax.switch(k, [lambda q=q: self.row(q, j) for q in qs]))
             return h, (records, h if with_outputs else None)
 
         h, (records, outs) = jax.lax.scan(body, h, jnp.arange(len(qs)))
