@@ -110,11 +110,14 @@ def test_llava_tower_is_tensor_parallel(aot, v5e):
     assert any(g.startswith("vision.layers.") for g in fsdp.whole_gathers), fsdp.whole_gathers
 
 
-def test_pallas_kernel_compiles_with_mosaic_per_shard(aot, v5e):
-    """The gated-delta kernel on a 2 x 2 v5e mesh: rows and heads split by its shard_map, Mosaic compiles it."""
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"])
+def test_pallas_kernel_compiles_with_mosaic_per_shard(aot, topology):
+    """The gated-delta kernel on a 2 x 2 mesh of each TPU generation jstd targets: rows and heads split by its
+    shard_map, Mosaic compiles it."""
     from jstd.aot.kernels import mosaic
+    from jstd.aot.targets import target
 
-    report, compiled = mosaic(v5e, batch=2, seq=128, qk_heads=2, heads=4)
+    report, compiled = mosaic(target(topology), batch=2, seq=128, qk_heads=2, heads=4)
     assert "tpu_custom_call" in compiled.as_text() and report.fits
 
 
