@@ -13,11 +13,12 @@ parameter's names into a ``NamedSharding``. Ready rule lists, over a mesh with
 axes ``data`` and ``model``:
 
 - ``DP``: parameters replicated, input rows (``batch``) over ``data``.
-- ``FSDP``: ``DP`` plus every parameter's ``embed`` axis over ``data``
-  (each device holds 1/n of each large matrix; XLA gathers one block's
-  weights at a time inside the scan).
-- ``TP``: rows over ``data``; ``heads``, ``kv_heads``, DeltaNet heads, ``mlp``
-  and ``vocab`` over ``model`` (Megatron-style column/row splits).
+- ``FSDP``: ``DP`` plus every parameter's ``embed`` axis (and a wrapper
+  projector's ``projector_in``) over ``data`` (each device holds 1/n of each
+  large matrix; XLA gathers one block's weights at a time inside the scan).
+- ``TP``: rows over ``data``; ``heads``, ``kv_heads``, DeltaNet heads, ``mlp``,
+  ``vocab`` and a projector's ``projector_hidden`` over ``model``
+  (Megatron-style column/row splits; a tower's blocks use the same names).
 - ``FSDP_TP``: both, on a 2-D mesh.
 - ``EP``: ``FSDP_TP`` with a mixture-of-experts' ``experts`` axis over ``model``
   (expert parallelism: each device holds whole experts; the router is replicated).
@@ -55,15 +56,17 @@ Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 # logical names of the parameters (jstd.models.base.param) split by tensor parallelism: attention and DeltaNet heads,
 # MLP columns and the vocabulary
-_TP_NAMES = ("heads", "kv_heads", "linear_heads", "linear_qk_heads", "mlp", "vocab")
+_TP_NAMES = ("heads", "kv_heads", "linear_heads", "linear_qk_heads", "mlp", "vocab", "projector_hidden")
+# logical names split by FSDP: the width, and a wrapper projector's input width (the tower's)
+_FSDP_NAMES = ("embed", "projector_in")
 
 DP: tuple = (("batch", DATA),)
-FSDP: tuple = (("batch", DATA), ("embed", DATA))
+FSDP: tuple = (("batch", DATA),) + tuple((name, DATA) for name in _FSDP_NAMES)
 TP: tuple = (("batch", DATA),) + tuple((name, MODEL) for name in _TP_NAMES)
-FSDP_TP: tuple = (("batch", DATA), ("embed", DATA)) + tuple((name, MODEL) for name in _TP_NAMES)
+FSDP_TP: tuple = FSDP + tuple((name, MODEL) for name in _TP_NAMES)
 # expert parallelism: FSDP_TP with a mixture-of-experts' experts over ``model`` (each device holds whole experts;
 # the expert weights' ``mlp`` axis then stays whole, as a mesh axis serves one axis of a parameter)
-EP: tuple = (("batch", DATA), ("embed", DATA), ("experts", MODEL)) + tuple((name, MODEL) for name in _TP_NAMES)
+EP: tuple = FSDP + (("experts", MODEL),) + tuple((name, MODEL) for name in _TP_NAMES)
 
 LAYOUTS = {"DP": DP, "FSDP": FSDP, "TP": TP, "FSDP_TP": FSDP_TP, "EP": EP}
 

@@ -101,9 +101,11 @@ def test_whole_weight_gathers_are_found(aot, v5e):
 
 
 def test_llava_tower_is_tensor_parallel(aot, v5e):
-    """A wrapper's tower under FSDP_TP: no tower or projector weight gathered whole (2 tower blocks, 2 text)."""
-    report = aot.check(aot.compile(SMALL_LLAVA, v5e, program_name="forward", layout="FSDP_TP", model_axis=2,
-                                   batch=2, seq=80))
+    """A wrapper's tower and projector under FSDP_TP on v5e-256 (64 x 4, one row per data shard, 2 tower blocks and
+    2 text): no weight gathered whole. The projector's weights once carried only FSDP's axis; on a 2 x 2 mesh XLA
+    then moved activations instead, on 64 x 4 it gathered them whole."""
+    report = aot.check(aot.compile(SMALL_LLAVA, aot.target("v5e:16x16"), program_name="forward", layout="FSDP_TP",
+                                   model_axis=4, batch=64, seq=80))
     assert report.whole_gathers == []
     # the check's control on the same model: FSDP alone gathers each block's weights whole, by design
     fsdp = aot.compile(SMALL_LLAVA, v5e, program_name="forward", layout="FSDP", model_axis=2, batch=2, seq=80)

@@ -48,7 +48,7 @@ class PooledProjector(eqx.Module):
     float32, cast back), a ``(1 + w)`` RMSNorm, and a bias-free linear stored ``[vision_hidden, hidden]``."""
 
     norm: RMSNorm
-    weight: Float[Array, "projector_in hidden"] = param("projector_in", "embed")
+    weight: Float[Array, "projector_in hidden"] = param("projector_in", "projector_hidden")
     kernel: int = eqx.field(static=True)
 
     def pool(self, x: Float[Array, "images patches width"]) -> Float[Array, "images tokens width"]:

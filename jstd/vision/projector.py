@@ -1,6 +1,11 @@
 """The projectors of the wrappers: an MLP (Llava, VipLlava, LLaVA-NeXT, DeepSeek-VL; the Qwen ViT's merger ends in
 one), one linear (HyperCLOVA X Vision V2) and the pixel shuffle with a bias-free linear (Idefics 3, SmolVLM). ``projector.input`` is what one is called with,
-``projector.output`` what it returns; the wrapper taps both."""
+``projector.output`` what it returns; the wrapper taps both.
+
+Their logical axes are their own: ``projector_in`` (the tower's width, split over ``data`` by FSDP) and
+``projector_hidden`` (a linear's output columns, split over ``model`` by tensor parallelism); an MLP's second linear
+reads ``projector_hidden`` rows and writes ``embed`` (Megatron's column then row split), so under ``FSDP_TP`` no
+projector weight is gathered whole."""
 
 from __future__ import annotations
 
@@ -18,10 +23,10 @@ class MLPProjector(eqx.Module):
     family has none."""
 
     norm: LayerNorm | None
-    fc1: Float[Array, "projector_in hidden"] = param("projector_in", "embed")
-    fc1_bias: Float[Array, "hidden"] | None = param("embed")
-    fc2: Float[Array, "hidden hidden"] = param("embed", "embed_out")
-    fc2_bias: Float[Array, "hidden"] | None = param("embed_out")
+    fc1: Float[Array, "projector_in hidden"] = param("projector_in", "projector_hidden")
+    fc1_bias: Float[Array, "hidden"] | None = param("projector_hidden")
+    fc2: Float[Array, "hidden hidden"] = param("projector_hidden", "embed")
+    fc2_bias: Float[Array, "hidden"] | None = param("embed")
     act: str = eqx.field(static=True)
 
     def __call__(self, x: Float[Array, "images patches projector_in"]) -> Float[Array, "images patches hidden"]:
@@ -48,8 +53,8 @@ class MLPProjector(eqx.Module):
 class LinearProjector(eqx.Module):
     """One biased linear (HyperCLOVA X Vision V2's projector)."""
 
-    weight: Float[Array, "projector_in hidden"] = param("projector_in", "embed")
-    bias: Float[Array, "hidden"] = param("embed")
+    weight: Float[Array, "projector_in hidden"] = param("projector_in", "projector_hidden")
+    bias: Float[Array, "hidden"] = param("projector_hidden")
 
     def __call__(self, x: Float[Array, "... projector_in"]) -> Float[Array, "... hidden"]:
         return x @ self.weight + self.bias
@@ -66,7 +71,7 @@ class PixelShuffleProjector(eqx.Module):
     """Each ``scale`` × ``scale`` block of neighbouring patches folded into one token (their widths concatenated,
     as transformers' ``pixel_shuffle`` orders them), then a linear without bias."""
 
-    proj: Float[Array, "shuffled hidden"] = param("projector_in", "embed")
+    proj: Float[Array, "shuffled hidden"] = param("projector_in", "projector_hidden")
     scale: int = eqx.field(static=True)
 
     def shuffle(self, x: Float[Array, "images patches width"]) -> Float[Array, "images tokens shuffled"]:
