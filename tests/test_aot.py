@@ -86,6 +86,18 @@ def test_a_layout_that_does_not_fit_is_refused(aot, v5e):
                                  **SHAPE)).fits
 
 
+def test_a_program_the_compiler_refuses_is_does_not_fit(aot, v5e):
+    """Far over a chip (the TPU compiler's own RESOURCE_EXHAUSTED): DoesNotFit naming the program, not a crash."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jstd.aot.report import compile_report
+
+    replicated = NamedSharding(Mesh(v5e.devices, ("x",)), PartitionSpec())
+    big = jax.ShapeDtypeStruct((1 << 31,), jnp.float32, sharding=replicated)  # 8 GiB on every chip, 3 more out
+    with pytest.raises(aot.DoesNotFit, match=r"huge under DP on v5e:2x2 .*the compiler refused it.*shard more"):
+        compile_report(lambda a: (a * 2, a * 3, a * 4), (big,), v5e, program="huge", layout="DP")
+
+
 def test_whole_weight_gathers_are_found(aot, v5e):
     """The check's own control: a program that replicates a sharded weight is reported, by path and shape."""
     from jax.sharding import NamedSharding, PartitionSpec

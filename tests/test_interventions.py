@@ -327,7 +327,7 @@ def test_resumed_sweeps_equal_recomputed_sweeps(model, pair, site, heads, monkey
         close(resumed, recomputed, 1e-4)
 
 
-def test_hybrid_sweep_resumes_states(tmp_path_factory):
+def test_hybrid_sweep_resumes_states(tmp_path_factory, monkeypatch):
     from olmo_hybrid_cases import SHORT_TAIL, config, make_checkpoint
 
     hybrid = jstd.load(make_checkpoint(config("tail", **SHORT_TAIL), tmp_path_factory.mktemp("hybrid")))
@@ -343,6 +343,16 @@ def test_hybrid_sweep_resumes_states(tmp_path_factory):
             for pos in (0, 1, 4, SEQ - 1):
                 close(grid[i, pos], jstd.patch(hybrid, clean, corrupt, site, layer=layer, positions=pos, metric=metric),
                       1e-4)
+    # the corrupted run's states at every position past the memory budget: each patched run computed whole
+    from jstd.interventions import patching
+    from jstd.interventions.resume import corrupted_run_bytes
+
+    need = corrupted_run_bytes(hybrid, corrupt, site)
+    with monkeypatch.context() as m:
+        m.setattr(patching, "resumed_sweep", lambda *a, **k: pytest.fail("resumed past the memory budget"))
+        whole = jstd.patch_sweep(hybrid, clean, corrupt, site, metric, heads=False, positions=[0, 4],
+                                 memory_budget=need - 1, progress=False)
+    close(whole, grid[:, [0, 4]], 1e-4)
     # a left-padded batch: states and convolutions start from the padded run's
     clean2, corrupt2 = np.concatenate([clean, clean]), np.concatenate([corrupt, corrupt])
     mask = np.ones_like(clean2)

@@ -43,7 +43,7 @@ def _args(batch, seq, qk_heads, heads, dk, dv, dtype, mesh=None):
             sds((batch, seq, heads), jnp.float32, seq4[:3]))
 
 
-def _kernel(*a, chunk_size=32):
+def _kernel(*a, chunk_size=None):  # None: the kernel's default for the platform compiled for
     return pallas_gated_delta.pallas_chunk_gated_delta_rule(*a, use_qk_l2norm=True, chunk_size=chunk_size)
 
 
@@ -58,9 +58,10 @@ def mosaic(target: Target, *, batch: int = 4, seq: int = 1024, qk_heads: int = 1
 
 
 def triton_ir(*, batch: int = 1, seq: int = 200, heads: int = 2, dk: int = 128, dv: int = 128,
-              dtype=jnp.bfloat16, chunk: int = 32) -> list[tuple[str, str, dict]]:
+              dtype=jnp.bfloat16, chunk: int | None = None) -> list[tuple[str, str, dict]]:
     """``(kernel name, Triton IR text, its Triton compiler params)`` for each kernel the forward launches (chunks
-    of ``chunk``, as the DeltaNet mixer calls it by default), lowered for CUDA (no device)."""
+    of ``chunk``; None: the public kernel's GPU default, 32, as the DeltaNet mixer calls it too), lowered for CUDA
+    (no device)."""
     import sys
 
     from jax._src.pallas.triton import lowering  # where Pallas turns each kernel into a Triton module

@@ -8,10 +8,13 @@ also gets one image per row, the images split as the rows are.
 - ``forward``: ``jstd.run`` with the logits and every block's ``layers.layer_output`` read.
 - ``grad``: the gradient of the last position's log-probability of token 0 with respect to a steering vector
   ``Add``-ed at ``layers.layer_output`` of the middle block (a gradient through an edit).
-- ``sweep``: one chunk of an activation-patching sweep: ``entries`` (block, position) pairs, split over the
-  ``data`` axis, each a run of the corrupted prompt with ``layers.layer_output`` at that block and position set to
-  the clean run's, scored by the logit difference of tokens 0 and 1 at the last position (``vmap`` over the
-  entries; the clean run's values are computed in the same program).
+- ``sweep``: what ``jstd.patch_sweep`` compiles for a sweep of ``layers.layer_output`` over every position, scored
+  by the logit difference of tokens 0 and 1 at the last position. On a text model, the resumed form
+  (``interventions.resume``): the clean run's values, the corrupted run's keys, values and states, and one chunk of
+  ``entries`` packed rows (split over ``data``; on softmax attention each row holds two suffixes, about
+  ``seq + 1`` tokens) resumed at a traced block — ``patch_sweep`` runs the reads once and the chunk once per chunk
+  and block, so this program's memory bounds both. With images (no resuming), one chunk of ``entries``
+  (block, position) pairs, each a whole run of the corrupted prompt with the patch (``vmap`` over the entries).
 - ``generate``: ``jstd.generate`` of ``new`` tokens, greedy, with a steering vector added at the middle block at
   every step.
 """
@@ -20,11 +23,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jstd.core.edits import Add, Set
 from jstd.core.inputs import Inputs
 from jstd.generate import generate
+from jstd.interventions.metrics import logit_difference
+from jstd.interventions.resume import Rows, corrupted_run, pack, resumed_chunk
 from jstd.run import run
 from jstd.sharding import DATA, FSDP, batch_sharding, fit
 
@@ -73,6 +79,8 @@ def program(name: str, model, mesh, rules=FSDP, *, batch: int = 8, seq: int = 10
     size = dict(zip(mesh.axis_names, mesh.devices.shape)).get(DATA, 1)
     n = entries or size
     spread = NamedSharding(mesh, PartitionSpec(DATA)) if n % size == 0 else replicated
+    if images is None:
+        return _resumed_sweep(model, tokens, n, spread)
     layers = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=spread)
     positions = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=spread)
 
@@ -86,6 +94,22 @@ def program(name: str, model, mesh, rules=FSDP, *, batch: int = 8, seq: int = 10
 
         return jax.vmap(one)(layers, positions)
     return fn, (model, tokens, tokens, images, layers, positions)
+
+
+def _resumed_sweep(model, tokens, n: int, spread):
+    """The resumed sweep's program: reads of both runs and one chunk of ``n`` packed rows at a traced block."""
+    seq = tokens.shape[1]
+    packed = pack(np.arange(seq, dtype=np.int32), np.zeros(seq, np.int32), seq,
+                  pair=not model.layers_with("linear_attn"))
+    rows = Rows(*(jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype, sharding=spread) for a in packed))
+    layer = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(spread.mesh, PartitionSpec()))
+    metric = logit_difference(0, 1)
+
+    def fn(model, clean, corrupt, rows, layer):
+        clean_values = run(model, clean, reads=(SITE,))[SITE]
+        corrupt_out = corrupted_run(model, corrupt, SITE)
+        return resumed_chunk(model, corrupt, None, corrupt_out, clean_values, metric, rows, layer, SITE, False)
+    return fn, (model, tokens, tokens, rows, layer)
 
 
 def _images(model, batch: int, sharding):

@@ -96,7 +96,13 @@ def compile_report(fn, args, target: Target, *, program: str = "", mesh=None, la
     start = time.perf_counter()
     mesh_context = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
     with checks_lowered_for(target), compiling_for(target.platform), mesh_context:
-        compiled = jax.jit(fn).lower(*args).compile()
+        try:
+            compiled = jax.jit(fn).lower(*args).compile()
+        except jax.errors.JaxRuntimeError as e:  # the compiler's own refusal: far more than a chip holds
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            where = f"{program} under {layout} on {target.name} (mesh {dict(zip(mesh.axis_names, mesh.devices.shape)) if mesh else {}})"
+            raise DoesNotFit(f"{where}: the compiler refused it, {str(e).splitlines()[0]}; {_ADVICE}") from None
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -341,6 +347,9 @@ def check(report: Report) -> Report:
         f"{report.program} under {report.layout} on {report.target} (mesh {report.mesh}) needs {g(report.peak_bytes)} "
         f"per chip (arguments {g(report.argument_bytes)}, temporaries {g(report.temp_bytes)}, outputs "
         f"{g(report.output_bytes)}, aliased {g(report.alias_bytes)}); a chip holds {g(report.chip_memory)}: "
-        "shard more (FSDP_TP, a larger model axis), use more chips, or pass fewer rows, a shorter sequence or a "
-        "smaller sweep chunk")
+        f"{_ADVICE}")
+
+
+_ADVICE = ("shard more (FSDP_TP, a larger model axis), use more chips, or pass fewer rows, a shorter sequence or a "
+           "smaller sweep chunk")
 

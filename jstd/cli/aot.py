@@ -46,11 +46,11 @@ def command(args) -> int:
         return 2
     status = 0
     for name in programs:
-        report = aot.compile(args.model, target, program_name=name, layout=args.layout, model_axis=args.model_axis,
-                             batch=args.batch, seq=args.seq, blocks=args.blocks, dtype=jnp.dtype(args.dtype),
-                             entries=args.entries, new=args.new)
-        print(report.row() if args.markdown else report, flush=True)
         try:
+            report = aot.compile(args.model, target, program_name=name, layout=args.layout,
+                                 model_axis=args.model_axis, batch=args.batch, seq=args.seq, blocks=args.blocks,
+                                 dtype=jnp.dtype(args.dtype), entries=args.entries, new=args.new)
+            print(report.row() if args.markdown else report, flush=True)
             aot.check(report)
         except aot.DoesNotFit as e:
             print(f"jstd aot: {e}", file=sys.stderr)

@@ -33,7 +33,7 @@ from jstd.core.progress import Progress, quiet_unless_terminal
 from jstd.core.inputs import Inputs, as_inputs
 from jstd.interventions.metrics import check_metric
 from jstd.interventions.reading import read
-from jstd.interventions.resume import resumable, resumed_sweep
+from jstd.interventions.resume import corrupted_run_bytes, resumable, resumed_sweep
 from jstd.run import run
 from jstd.sharding import spread
 from jstd.core.sites import SITES, SiteError, parse
@@ -147,7 +147,10 @@ def patch_sweep(
     corrupted runs' values and the results are outside the budget) run as one
     compiled ``vmap`` each, on a progress line (to a terminal) with
     ``progress``. A resumed sweep's chunks are packed rows, each holding
-    up to two entries.
+    up to two entries. It keeps the corrupted run's caches (keys and values;
+    on DeltaNet models the state at every position: 48 MiB a token at
+    Qwen3.5-4B's size); where those alone pass ``memory_budget``, each patched
+    run is computed whole instead (the same grid, more FLOPs).
 
     ``mesh`` (a ``jax.sharding.Mesh``): each chunk's entries are split over
     its ``mesh_axis`` axis, each device running its share (the chunk size
@@ -173,7 +176,8 @@ def patch_sweep(
     grid_p = next(columns) if pos_axis is not None else zeros
     grid_h = next(columns) if split_heads else zeros
 
-    if resumable(site) and corrupt.images is None:
+    if (resumable(site) and corrupt.images is None
+            and corrupted_run_bytes(model, corrupt.tokens, site, corrupt.attention_mask) <= memory_budget):
         out = resumed_sweep(model, clean_values, corrupt.tokens, corrupt.attention_mask, site, metric, axes[0], axes[1],
                             axes[2] if split_heads else [0], split_heads, memory_budget, chunk_size,
                             lambda blocks: _progress(blocks, progress, f"patching {site}"), spread)

@@ -110,8 +110,7 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     (``patching.Spread``) places each chunk's rows, split over a mesh axis.
     """
     seq = corrupt.shape[1]
-    corrupt_out = read(model, corrupt, Context.sites_for(model) + (_stream_site(site), "final_norm_output"), (),
-                       attention_mask)
+    corrupt_out = corrupted_run(model, corrupt, site, attention_mask)
 
     entry_p = np.repeat(np.asarray(positions, np.int32), len(heads))
     entry_h = np.tile(np.asarray(heads, np.int32), len(positions))
@@ -121,7 +120,7 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     keys = length + (corrupt_out[Context.sites_for(model)[0]].shape[3] if model.layers_with("self_attn") else 0)
     place = (lambda a, size: jnp.asarray(a)) if spread is None else spread.place
     chunk_rows = lambda rows, start, size: Rows(*(place(a[start:start + size], size) for a in rows))
-    lower = lambda size: _chunk.lower(model, corrupt, attention_mask, corrupt_out, clean_values, metric, chunk_rows(rows, 0, size),
+    lower = lambda size: resumed_chunk.lower(model, corrupt, attention_mask, corrupt_out, clean_values, metric, chunk_rows(rows, 0, size),
                                       jnp.asarray(layers[0], jnp.int32), site, split_heads)
     guess = int(memory_budget // bytes_per_row(model, corrupt.shape[0], length, keys))
     size, chunk = (fit if spread is None else spread.fit)(lower, n_rows, guess, memory_budget, chunk_size)
@@ -144,9 +143,26 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     return np.stack(out)
 
 
+def corrupted_run_bytes(model, corrupt, site: str, attention_mask=None) -> int:
+    """The bytes ``corrupted_run`` keeps (from its shapes; nothing runs): on DeltaNet models the state at every
+    position dominates, ``key_dim · value_dim`` floats per head, block and token."""
+    out = jax.eval_shape(lambda: corrupted_run(model, corrupt, site, attention_mask))
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(out))
+
+
+def corrupted_run(model, corrupt, site: str, attention_mask=None):
+    """What the resumed runs of a sweep at ``site`` continue: the corrupted run's cached keys, values and states
+    (``Context.sites_for``), the stream at ``site``'s block and the final norm's output."""
+    return read(model, corrupt, Context.sites_for(model) + (_stream_site(site), "final_norm_output"), (), attention_mask)
+
+
 @eqx.filter_jit
-def _chunk(model, corrupt, attention_mask, corrupt_out, clean_values, metric, rows: Rows, layer, site: str, split_heads: bool):
-    """The metric of every segment of a chunk of rows at block ``layer``: ``[rows, slots, *metric]``."""
+def resumed_chunk(model, corrupt, attention_mask, corrupt_out, clean_values, metric, rows: Rows, layer, site: str,
+                  split_heads: bool):
+    """The metric of every segment of a chunk of rows at block ``layer``: ``[rows, slots, *metric]``.
+
+    ``corrupt_out``: ``corrupted_run``'s outputs; ``clean_values``: the clean run's ``site`` over every block;
+    ``rows``: a chunk of ``pack``'s rows. One compiled program serves every chunk and block (``layer`` is traced)."""
     seq = corrupt.shape[1]
     corrupt_stream = corrupt_out[_stream_site(site)]
     clean_value = clean_values[model.row_of(site, layer)]
