@@ -6,12 +6,11 @@
    by index (a ``FeatureEdit``: only that latent and decoder row are computed) and by mask (each block encodes and
    decodes the whole dictionary); with the latents of every block read. All interleaved with the plain forward.
    The FLOP floor is what the dictionary's products add to the forward's (encoder, and decoder where it runs).
-2. Training throughput: ``jstd.sae.train``'s update (standard ReLU dictionary, 512 -> 8192, l1 5, Adam 4e-4,
-   batch 4096, float32) against the same update as a torch loop written after SAELens 6's ``StandardTrainingSAE``
-   (``x - b_dec`` in, ReLU, ``Σ‖x - x̂‖²`` per token plus ``l1 · ‖f · ‖W_dec‖‖₁``, ``torch.optim.Adam``), on the
-   same activations (block 4's layer_output of the Foundation model on random tokens), runs interleaved.
-   SAELens itself is not installed here (see docs/benchmarks.md): this loop is its loss and update without its
-   trainer's bookkeeping, so it favours torch.
+2. Training throughput: ``jstd.sae.train``'s update (standard ReLU dictionary, 512 -> 8192, l1 5, batch 4096,
+   float32, its default optimizer: SAELens' clip to global norm 1 then Adam 4e-4) against SAELens' own trainer
+   (``SAETrainer.step`` on a ``StandardTrainingSAE``: the bench extra installs sae-lens) on the same activations
+   (block 4's layer_output of the Foundation model on random tokens), runs interleaved. Without sae-lens, a torch
+   loop of the same update (its loss, its trainer's dead-latent bookkeeping, clipping, Adam) stands in.
 
     python benchmarks/sae.py [--repeats 5]
 """
@@ -61,14 +60,15 @@ def spliced_forward(folder, tokens, repeats):
 
 
 def training(folder, tokens, repeats, steps=3):
+    """Seconds per update (median, best) of jstd and of SAELens' trainer (or, without sae-lens, the faithful torch
+    loop), the batch size, and which torch side ran."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     import torch
 
     import jstd
-    from jstd.sae.train import Settings, State, _train_step
+    from jstd.sae.train import Settings, State, _adam, _compiled
 
     model = jstd.load(folder)
     rows = []
@@ -79,10 +79,10 @@ def training(folder, tokens, repeats, steps=3):
     H = x.shape[1]
 
     sae = jstd.sae.init(jax.random.key(0), H, D_SAE)
-    optimizer = optax.adam(4e-4)
+    optimizer = _adam(4e-4)  # train's default: SAELens' update (clip to global norm 1, then Adam)
     settings = Settings("standard", None, 5.0, 0.0, 0.05, H // 2, 0.0, 10**9)
     state = State(sae, optimizer.init(sae), jnp.zeros(D_SAE), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
-    step = jax.jit(lambda st, b: _train_step(st, b, optimizer, settings), donate_argnums=0)
+    step = _compiled(optimizer, settings)[0]  # the update train runs between logged steps
     xj = jnp.asarray(x)
     box = {"state": state}
 
@@ -93,28 +93,67 @@ def training(folder, tokens, repeats, steps=3):
         jax.block_until_ready(metrics["loss"])
         box["state"] = st
 
+    xt = torch.from_numpy(x)
+    try:
+        torch_steps, side = saelens_steps(xt, steps), f"SAELens {__import__('sae_lens').__version__}'s SAETrainer.step"
+    except ImportError:
+        torch_steps, side = faithful_steps(sae, xt, steps), "a torch loop of SAELens' update (sae-lens not installed)"
+    t = time_interleaved({"jstd": jstd_steps, "torch": torch_steps}, repeats)
+    return {k: (v[0] / steps, v[1] / steps) for k, v in t.items()}, len(x), side
+
+
+def saelens_steps(xt, steps):
+    """SAELens' own trainer on the batch: ``SAETrainer.step`` (its forward, dead-latent bookkeeping, backward,
+    gradient clipping, Adam, schedulers), as its ``fit`` calls it."""
+    from sae_lens import StandardTrainingSAE, StandardTrainingSAEConfig
+    from sae_lens.config import SAETrainerConfig
+    from sae_lens.training.sae_trainer import SAETrainer
+
+    H = xt.shape[1]
+    sae = StandardTrainingSAE(StandardTrainingSAEConfig(d_in=H, d_sae=D_SAE, l1_coefficient=5.0, dtype="float32",
+                                                        device="cpu"))
+    trainer = SAETrainer(SAETrainerConfig(total_training_samples=10**12, train_batch_size_samples=len(xt), lr=4e-4,
+                                          lr_end=4e-4), sae, iter(()))
+
+    def run():
+        for _ in range(steps):
+            out = trainer.step(xt)
+            trainer.n_training_steps += 1
+        return float(out.loss.detach())
+    return run
+
+
+def faithful_steps(sae, xt, steps):
+    """SAELens 6's update written out in torch: ``StandardTrainingSAE``'s loss, its trainer's dead-latent
+    bookkeeping, ``clip_grad_norm_(…, 1.0)`` and Adam."""
+    import numpy as np
+    import torch
+
+    H = xt.shape[1]
     W_dec = torch.nn.Parameter(torch.from_numpy(np.array(sae.W_dec)))
     W_enc = torch.nn.Parameter(torch.from_numpy(np.array(sae.W_enc)))
     b_enc = torch.nn.Parameter(torch.zeros(D_SAE))
     b_dec = torch.nn.Parameter(torch.zeros(H))
-    opt = torch.optim.Adam([W_enc, b_enc, W_dec, b_dec], lr=4e-4)
-    xt = torch.from_numpy(x)
+    params = [W_enc, b_enc, W_dec, b_dec]
+    opt = torch.optim.Adam(params, lr=4e-4)
+    since, freq = torch.zeros(D_SAE), torch.zeros(D_SAE)
 
-    def torch_steps():
+    def run():
         for _ in range(steps):
-            sae_in = xt - b_dec
-            acts = torch.relu(sae_in @ W_enc + b_enc)
+            acts = torch.relu((xt - b_dec) @ W_enc + b_enc)
             out = acts @ W_dec + b_dec
-            mse = (out - xt).pow(2).sum(-1).mean()
-            l1 = 5.0 * (acts * W_dec.norm(dim=1)).norm(p=1, dim=-1).mean()
-            loss = mse + l1
-            opt.zero_grad(set_to_none=True)
+            loss = (out - xt).pow(2).sum(-1).mean() + 5.0 * (acts * W_dec.norm(dim=1)).norm(p=1, dim=-1).mean()
+            with torch.no_grad():
+                firing = acts.bool().float()
+                since.add_(1)
+                since[firing.sum(-2).bool()] = 0
+                freq.add_(firing.sum(0))
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
-        return float(loss)
-
-    t = time_interleaved({"jstd": jstd_steps, "torch": torch_steps}, repeats)
-    return {k: (v[0] / steps, v[1] / steps) for k, v in t.items()}, len(x)
+            opt.zero_grad()
+        return float(loss.detach())
+    return run
 
 
 def main():
@@ -122,7 +161,7 @@ def main():
     folder, tokens = text_checkpoint(llama_config, "llama-8x512", SIZE["vocab_size"])
     t0 = time.time()
     t, same, gap, floor_encode, floor_both = spliced_forward(folder, tokens, args.repeats)
-    tt, batch = training(folder, tokens, args.repeats)
+    tt, batch, side = training(folder, tokens, args.repeats)
     plain = t["plain"][0]
     ms = lambda s: f"{s * 1e3:.0f} ms"
     rows = [
@@ -136,8 +175,8 @@ def main():
          f"{ms(t['ablated_mask'][0])}; FLOP floor {floor_both:.2f}x (encoder + decoder of 8 x 512x8192)"),
         ("spliced forward, latents of every block read ([8, 4, 256, 8192] float32) / plain",
          f"{t['read'][0] / plain:.2f}x", f"{ms(t['read'][0])}; FLOP floor {floor_encode:.2f}x (encoder)"),
-        (f"training throughput, jstd.sae.train's update / torch loop of the same update (batch {batch}, 512 -> "
-         f"{D_SAE})", f"{tt['torch'][0] / tt['jstd'][0]:.2f}x",
+        (f"training throughput, jstd.sae.train's update / {side} (batch {batch}, 512 -> {D_SAE})",
+         f"{tt['torch'][0] / tt['jstd'][0]:.2f}x",
          f"jstd {batch / tt['jstd'][0]:,.0f} rows/s, torch {batch / tt['torch'][0]:,.0f} rows/s (median; best "
          f"{tt['torch'][1] / tt['jstd'][1]:.2f}x)"),
     ]

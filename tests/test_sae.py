@@ -392,6 +392,39 @@ def test_training_recovers_known_features(architecture, kw):
     assert cos.min() >= 0.9, cos
 
 
+@pytest.mark.parametrize("architecture,k", [("standard", None), ("topk", 4), ("jumprelu", None)])
+def test_training_gradient_is_the_plain_loss(architecture, k, monkeypatch):
+    """The training loss's gradient (its encoder's cheap b_dec gradient, the L1 term summed over rows first) equals
+    plain autodiff of SAELens' formulas: ``((x - b_dec) @ W_enc + b_enc)``, ``Σ‖x - x̂‖²`` and ``l1 · Σ fᵢ‖W_dec[i]‖``
+    per row, averaged."""
+    import importlib
+
+    train = importlib.import_module("jstd.sae.train")
+    rng = np.random.default_rng(3)
+    sae = init(jax.random.key(2), 12, 40, architecture=architecture, k=k, threshold=0.05)
+    sae = jax.tree.map(lambda a: a + 0.05 * jnp.asarray(rng.normal(size=a.shape), a.dtype), sae)  # b_dec, b_enc != 0
+    x = jnp.asarray(rng.normal(size=(32, 12)), jnp.float32)
+    s = train.Settings(architecture, k, 5.0, 0.3, 0.05, 6, 0.5, 1)
+    since = jnp.asarray(rng.integers(0, 3, 40), jnp.float32)  # some latents dead: TopK's auxiliary loss runs
+
+    def plain(sae, x, since, s):
+        if architecture != "standard":  # the same loss, its encoder differentiated plainly
+            monkeypatch.setattr(train, "_pre_activations", lambda sae, x: sae.pre_activations(x))
+            try:
+                return train._loss(sae, x, since, s)
+            finally:
+                monkeypatch.undo()
+        latents = jax.nn.relu((x - sae.b_dec) @ sae.W_enc + sae.b_enc)
+        recon = latents @ sae.W_dec + sae.b_dec
+        l1 = (latents * jnp.linalg.norm(sae.W_dec, axis=-1)).sum(-1).mean()
+        return ((x - recon) ** 2).sum(-1).mean() + s.l1 * l1, None
+
+    got = jax.grad(lambda m: train._loss(m, x, since, s)[0])(sae)
+    want = jax.grad(lambda m: plain(m, x, since, s)[0])(sae)
+    for name in ("W_enc", "b_enc", "W_dec", "b_dec"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=2e-5, atol=2e-6, err_msg=name)
+
+
 def test_training_on_a_collection_resumes_and_writes_saelens(model, tmp_path):
     tokens = jnp.asarray(np.random.default_rng(1).integers(3, 90, (16, 24)), jnp.int32)
     ds = jstd.collect(model, jstd.Inputs(tokens, None), "layers.layer_output", tmp_path / "acts", batch_size=8,
