@@ -101,6 +101,23 @@ def test_format_round_trip_and_saelens_formulas(tmp_path, architecture, kw):
     assert save_sae(back, tmp_path / "again") and json.loads((tmp_path / "again" / "cfg.json").read_text()) == cfg
 
 
+@pytest.mark.parametrize("architecture,kw", [
+    ("standard", {}), ("topk", {"k": 5}), ("jumprelu", {}), ("standard", {"normalize_activations": "layer_norm"}),
+    ("standard", {"normalize_activations": "constant_norm_rescale"}), ("transcoder", {"d_out": 24}),
+])
+def test_saelens_itself_loads_what_jstd_writes(tmp_path, architecture, kw):
+    """SAELens (the test extra pins it) loads a folder jstd wrote and gives jstd's latents and output."""
+    sae_lens = pytest.importorskip("sae_lens")
+    sae = random_sae(jax.random.key(1), 16, 40, architecture, hook_name="blocks.2.hook_resid_post", **kw)
+    theirs = sae_lens.SAE.load_from_disk(str(save_sae(sae, tmp_path / "sae")), device="cpu")
+    x = np.random.default_rng(2).normal(size=(3, 7, 16)).astype(np.float32) * 3
+    with torch.no_grad():
+        latents, out = theirs.encode(torch.from_numpy(x)).numpy(), theirs(torch.from_numpy(x)).numpy()
+    assert (latents > 0).any() and (latents == 0).any()
+    np.testing.assert_allclose(np.asarray(sae.encode(x)), latents, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(sae(x)), out, rtol=1e-5, atol=1e-4)
+
+
 def test_topk_and_jumprelu_against_their_definitions():
     x = np.random.default_rng(3).normal(size=(4, 16)).astype(np.float32)
     sae = random_sae(jax.random.key(2), 16, 32, "topk", k=4)
