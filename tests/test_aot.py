@@ -75,6 +75,18 @@ def test_forward_on_h200(aot, h200):
     assert report.mesh == {"data": 1, "model": 8} and report.fits and report.whole_gathers == []
 
 
+def test_llava_on_h200_compiles_with_cublas_products_where_triton_finds_no_tiling(aot, h200):
+    """XLA:GPU's Triton GEMM emitter finds no tiling for Llava's tower MLP at 8 x 577 positions (an internal error
+    at its defaults); jstd.aot compiles it with cuBLAS products instead and says so, with the flag a run needs."""
+    report = aot.check(aot.compile("llava-1.5-7b", h200, program_name="forward", layout="FSDP_TP", batch=8,
+                                   seq=1024, blocks=2))
+    assert report.xla_options == {"xla_gpu_enable_triton_gemm": False} and report.whole_gathers == []
+    assert "XLA_FLAGS='--xla_gpu_enable_triton_gemm=false'" in str(report)
+    assert report.row().startswith("| forward (XLA xla_gpu_enable_triton_gemm=False) | 8xh200 |")
+    # a program XLA compiles at its defaults gets none
+    assert aot.compile(SMALL, h200, program_name="forward", layout="FSDP_TP", **SHAPE).xla_options == {}
+
+
 def test_a_layout_that_does_not_fit_is_refused(aot, v5e):
     """On chips of 24 MiB the replicated layout (DP) does not fit and FSDP_TP does: refused with the numbers."""
     small_chips = dataclasses.replace(v5e, chip_memory=24 << 20)

@@ -53,6 +53,7 @@ class Report:
     collectives: dict  # kind -> (ops, bytes per chip)
     whole_gathers: list  # "path shape" of each sharded parameter an all-gather produces whole
     compile_seconds: float
+    xla_options: dict = dataclasses.field(default_factory=dict)  # what the compile needed beyond the defaults
 
     @property
     def peak_bytes(self) -> int:
@@ -70,7 +71,8 @@ class Report:
         flops = "n/a" if self.flops is None else f"{self.flops / 1e12:.2f}"
         coll = ", ".join(f"{k} {n}" for k, (n, _) in self.collectives.items() if n) or "none"
         mesh = "×".join(f"{v}" for v in self.mesh.values())
-        return (f"| {self.program} | {self.target} | {mesh} | {self.layout} | {g(self.peak_bytes)} of "
+        program = self.program + "".join(f" (XLA {k}={v})" for k, v in self.xla_options.items())
+        return (f"| {program} | {self.target} | {mesh} | {self.layout} | {g(self.peak_bytes)} of "
                 f"{g(self.chip_memory)} ({g(self.argument_bytes)} / {g(self.temp_bytes)} / {g(self.output_bytes)}) | "
                 f"{'yes' if self.fits else 'NO'} | {flops} | {coll} | {', '.join(self.whole_gathers) or 'none'} |")
 
@@ -85,6 +87,10 @@ class Report:
                                                self.collectives.items() if n) or "none"),
                  f"  whole-weight gathers: {', '.join(self.whole_gathers) or 'none'}",
                  f"  compiled in {self.compile_seconds:.1f} s"]
+        if self.xla_options:
+            flags = " ".join(f"--{k}={str(v).lower()}" for k, v in self.xla_options.items())
+            lines.append(f"  compiled only with XLA options {self.xla_options} (XLA's defaults fail); a run on the "
+                         f"device needs them too: XLA_FLAGS='{flags}'")
         return "\n".join(lines)
 
 
@@ -95,9 +101,17 @@ def compile_report(fn, args, target: Target, *, program: str = "", mesh=None, la
     under ``jax.set_mesh(mesh)``, so Pallas kernels run per shard (``jax.shard_map``)."""
     start = time.perf_counter()
     mesh_context = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+    options = {}
     with checks_lowered_for(target), compiling_for(target.platform), mesh_context:
+        lowered = jax.jit(fn).lower(*args)
         try:
-            compiled = jax.jit(fn).lower(*args).compile()
+            try:
+                compiled = lowered.compile()
+            except jax.errors.JaxRuntimeError as e:
+                if target.platform != "cuda" or _TRITON_GEMM_TILING not in str(e):
+                    raise
+                options = {"xla_gpu_enable_triton_gemm": False}  # XLA:GPU's Triton GEMMs found no tiling: cuBLAS
+                compiled = lowered.compile(compiler_options=options)
         except jax.errors.JaxRuntimeError as e:  # the compiler's own refusal: far more than a chip holds
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -115,7 +129,7 @@ def compile_report(fn, args, target: Target, *, program: str = "", mesh=None, la
         chip_memory=target.chip_memory, argument_bytes=int(memory.argument_size_in_bytes),
         temp_bytes=int(memory.temp_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes), flops=flops, collectives=collectives(text),
-        whole_gathers=whole_gathers(text, args[0]), compile_seconds=seconds)
+        whole_gathers=whole_gathers(text, args[0]), compile_seconds=seconds, xla_options=options)
     return report, compiled
 
 
@@ -350,6 +364,8 @@ def check(report: Report) -> Report:
         f"{_ADVICE}")
 
 
+# XLA:GPU's (jax 0.10.2) Triton GEMM emitter on some products, e.g. the Llava tower's MLP at 8 x 577 positions
+_TRITON_GEMM_TILING = "Couldn't find output tile sizes"
 _ADVICE = ("shard more (FSDP_TP, a larger model axis), use more chips, or pass fewer rows, a shorter sequence or a "
            "smaller sweep chunk")
 
