@@ -19,7 +19,7 @@ from jstd.io.export import export
 from jstd.io.stacked import convert
 from jstd.interventions.reading import token_strings
 from jstd.io.safetensors import CheckpointError
-from jstd.models.base import logical_axes
+from jstd.nn.params import logical_axes
 from jstd.sharding import shard  # also makes jstd.sharding (DP, FSDP, TP, FSDP_TP, mesh, ...) an attribute
 from jstd.core.inputs import Inputs
 from jstd.core.context import Context

@@ -44,7 +44,7 @@ FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwen3_5T
                            HyperCLOVAXVisionV2, Qwen3VLText, Qwen3VL, Qwen3VisionTower, Qwen3_5VL, Gemma3)
             for t in f.model_types}
 
-# the mixture-of-experts families (jstd.models.moe)
+# the mixture-of-experts families (jstd.nn.moe)
 FAMILIES |= {t: f for f in (Qwen3Moe, Qwen3VLMoeText, Olmoe, Mixtral, Qwen3_5MoeText, Qwen3VLMoe, Qwen3_5MoeVL)
              for t in f.model_types}
 

@@ -17,7 +17,7 @@ from jstd.core.edits import as_edits, check_left_padded
 from jstd.core.inputs import Inputs, as_inputs, token_array, with_layout
 from jstd.core.jit import combine, partition
 from jstd.core.memo import per_model
-from jstd.models.base import Model
+from jstd.nn.model import Model
 from jstd.core.sites import SITES, SiteError, near, parse
 from jstd.core.tap import Tap
 

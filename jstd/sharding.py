@@ -48,13 +48,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
 from jstd.core.inputs import Inputs
-from jstd.models.base import DATA, MODEL, constrain_rows, logical_axes  # constrain_rows: also jstd.sharding's
-from jstd.models.base import LOGICAL_NAMES
-from jstd.models.namemap import at_path
+from jstd.nn.params import DATA, MODEL, constrain_rows, logical_axes  # constrain_rows: also jstd.sharding's
+from jstd.nn.params import LOGICAL_NAMES
+from jstd.nn.namemap import at_path
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
-# logical names of the parameters (jstd.models.base.param) split by tensor parallelism: attention and DeltaNet heads,
+# logical names of the parameters (jstd.nn.params.param) split by tensor parallelism: attention and DeltaNet heads,
 # MLP columns and the vocabulary
 _TP_NAMES = ("heads", "kv_heads", "linear_heads", "linear_qk_heads", "mlp", "vocab", "projector_hidden")
 # logical names split by FSDP: the width, and a wrapper projector's input width (the tower's)

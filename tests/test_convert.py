@@ -19,7 +19,7 @@ from jstd.io import export as export_module
 from jstd.io import stacked
 from jstd.io.safetensors import Writer
 from jstd.io.source import with_source
-from jstd.models.namemap import leaf_paths
+from jstd.nn.namemap import leaf_paths
 
 
 def bits(x):
@@ -182,7 +182,7 @@ def test_export_after_folding_an_ablated_head(zoo, tmp_path):
     _, folder, model, _, _ = zoo("llama-gqa")
     layer, head = 1, 2
     path = "layers.slots.0.attn.o"  # [blocks, heads, head_dim, embed]: a head's rows of o_proj's input
-    from jstd.models.namemap import at_path as _get
+    from jstd.nn.namemap import at_path as _get
 
     o = _get(model, path)
     edited = eqx.tree_at(lambda m: _get(m, path), model, o.at[layer, head].set(0))
@@ -214,7 +214,7 @@ def test_cli_and_refusals(zoo, tmp_path, capsys):
     """jstd convert and jstd export through the command line; export refuses a model with no source and a
     transform that changes values."""
     from jstd import cli
-    from jstd.models.namemap import Entry
+    from jstd.nn.namemap import Entry
 
     _, folder, model, _, _ = zoo("llama-gqa")
     assert cli.main(["convert", str(folder), str(tmp_path / "c"), "--quiet"]) == 0
@@ -246,17 +246,22 @@ def test_cli_and_refusals(zoo, tmp_path, capsys):
     assert set(stored_tensors(tmp_path / "clip-hf")) == set(stored_tensors(clip_folder)) - set(clip.source.ignored)
 
 
-OLD = Path(__file__).parent / "data" / "converted-v1"
+DATA = Path(__file__).parent / "data"
+OLD = DATA / "converted-v1"
+# (layout, case): v1 written by the jstd of commit 578b417 (before core/, io/ and the layers' first split), v2 by
+# that of a339e69 (layers in jstd/models/, before jstd/nn/); a v2 case without its own HF folder is v1's
+LAYOUTS = [(v, p.name) for v in ("converted-v1", "converted-v2") for p in sorted((DATA / v).iterdir())]
 
 
-@pytest.mark.parametrize("case", sorted(p.name for p in OLD.iterdir()))
-def test_checkpoints_converted_by_earlier_jstd_still_load(case, monkeypatch):
-    """A checkpoint converted by jstd before its modules moved (tests/data/converted-v1, written by the jstd of
-    commit 578b417 from the tiny HF checkpoint beside it) loads from its recorded structure, never falling back
-    to transformers, into the model ``jstd.load`` makes of the HF folder, bit for bit."""
-    fresh = jstd.load(OLD / case / "hf")
+@pytest.mark.parametrize("layout,case", LAYOUTS)
+def test_checkpoints_converted_by_earlier_jstd_still_load(layout, case, monkeypatch):
+    """A checkpoint converted by an earlier jstd, whose classes have moved since (tests/data/converted-v1 and -v2,
+    each written from the tiny HF checkpoint beside it), loads from its recorded structure, never falling back to
+    transformers, into the model ``jstd.load`` makes of the HF folder, bit for bit."""
+    hf = DATA / layout / case / "hf"
+    fresh = jstd.load(hf if hf.exists() else OLD / case / "hf")
     monkeypatch.setattr(stacked, "_rebuilt_skeleton", lambda *a: pytest.fail(f"{a[-1]!r}: the structure did not decode"))
-    assert_same_model(fresh, jstd.load(OLD / case / "jstd"))
+    assert_same_model(fresh, jstd.load(DATA / layout / case / "jstd"))
 
 
 def test_small_shards_each_holding_filler_tensors_load(tmp_path):

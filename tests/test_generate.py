@@ -18,7 +18,7 @@ import torch
 
 import families
 import jstd
-from jstd.models.base import with_fields
+from jstd.nn.params import with_fields
 from conftest import assert_close
 from jstd.cli import main
 from reference.harness import TorchEdit

@@ -4,7 +4,7 @@ jstd imports only where they defer a third-party package.
 
 The layers, bottom to top (docs/architecture.md draws them):
 
-    kernels → core → models → {vision, run, sharding} → families → io → {generate, collect, interventions, sae} → aot →
+    kernels → core → nn → models → {vision, run, sharding} → families → io → {generate, collect, interventions, sae} → aot →
     jstd (the face) → cli
 
 A part may import its own modules and any part of a lower layer; parts of one layer do not import each other,
@@ -23,7 +23,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jstd"
 LAYERS = (
     ("jstd.kernels",),
     ("jstd.core",),
-    ("jstd.models",),
+    ("jstd.nn",),  # the layers every family assembles, the model they compose (CausalLM), the Model protocol
+    ("jstd.models",),  # the text families' declarations (and Family, what a declaration is)
     ("jstd.vision", "jstd.run", "jstd.sharding"),
     ("jstd.families",),
     ("jstd.io",),
@@ -252,3 +253,22 @@ def test_the_checks_find_what_is_planted(tmp_path):
     assert private_reach(mods, "jstd") == ["jstd.kernels.k:6 -> jstd.core.b._hidden"]
     assert any("jstd.kernels.k" in line and "jstd.core" in line for line in upward(edges))
     assert [e.target for e in undeferred(edges, mods, "jstd")] == ["jstd.core.a"]
+
+
+def test_moved_modules_still_import_every_name():
+    """Every module that moved (the layers to ``jstd.nn``, ``base`` and ``causal_lm`` split) still imports under its
+    old name, with every public name of the modules it moved to, as the same objects."""
+    import importlib
+
+    from jstd.models import MOVED_MODULES
+
+    for old, new in MOVED_MODULES.items():
+        served = importlib.import_module(old)
+        for module in map(importlib.import_module, new):
+            names = [n for n in vars(module) if not n.startswith("_")]
+            assert names and all(getattr(served, n) is getattr(module, n) for n in names), (old, module.__name__)
+    from jstd.models.base import Family, Model, param  # noqa: F401  (the spellings earlier code used)
+    from jstd.models.causal_lm import CausalLM, TextFamily  # noqa: F401
+    from jstd.models.stack import Stack
+
+    assert Stack.__module__ == "jstd.nn.stack"

@@ -26,7 +26,7 @@ import jstd
 import jstd.cli
 from conftest import assert_close
 from jstd.io.hf import ConfigWarning
-from jstd.models.base import LOGICAL_NAMES, with_fields
+from jstd.nn.params import LOGICAL_NAMES, with_fields
 
 INDUCTION = Path(jstd.__file__).parent / "assets" / "induction-llama"
 SITE = ("layers.1.mlp.mlp_neurons",)

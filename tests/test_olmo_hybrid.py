@@ -264,7 +264,7 @@ def test_trace_does_not_grow_with_depth():
 def test_equal_slots_trace_one_mixer(monkeypatch):
     """A period's consecutive equal slots (LLL) run as one inner scan: the DeltaNet mixer is traced once for the
     period and once for a tail of DeltaNet blocks (LL), not once per slot (3, 5)."""
-    from jstd.models.deltanet import GatedDeltaNet
+    from jstd.nn.deltanet import GatedDeltaNet
     from jstd.models.olmo_hybrid import OlmoHybrid
 
     traces = []

@@ -21,7 +21,7 @@ import jax
 
 from jstd.aot.targets import GiB, Target
 from jstd.kernels.platform import compiling_for
-from jstd.models.namemap import leaf_paths
+from jstd.nn.namemap import leaf_paths
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 # parameters smaller than this are gathered whole by design (norm weights, biases) and are not reported

@@ -9,7 +9,7 @@ import jax
 
 from jstd.core.sites import SITES
 from jstd.io.load import load
-from jstd.models.base import logical_axes
+from jstd.nn.params import logical_axes
 from jstd.cli.demo import ASSET
 
 

@@ -93,7 +93,7 @@ BLOCK_SITES = [
     ("mlp.mlp_activation", ("batch", "seq", "mlp"), "The activation function's output."),
     ("mlp.mlp_neurons", ("batch", "seq", "mlp"), "What the down projection receives: act(gate)·up on a gated MLP, the activation itself otherwise."),
     ("mlp.mlp_output", RESIDUAL, "What the MLP adds to the residual stream."),
-    # a mixture-of-experts MLP (jstd.models.moe): the router, the chosen experts, their outputs, a shared expert
+    # a mixture-of-experts MLP (jstd.nn.moe): the router, the chosen experts, their outputs, a shared expert
     ("mlp.router_logits", ("batch", "seq", "experts"), "The router's logits, one per expert (what the softmax and the top-k read; an edit re-routes: -inf at an expert removes it from the top-k)."),
     ("mlp.router_weights", ("batch", "seq", "top_k"), "The weights of the chosen experts (after the family's renormalisation), in the router's top-k order; derived, read-only (edit router_logits to re-route, expert_outputs to change a contribution).", False),
     ("mlp.expert_indices", ("batch", "seq", "top_k"), "The chosen experts (integer ids), in the router's top-k order; derived, read-only.", False),

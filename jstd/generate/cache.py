@@ -19,7 +19,7 @@ from jaxtyping import Array, ArrayLike, Int
 from jstd.core.context import KEYS, MIXER_INPUTS, VALUES, POSITIONS, Context
 from jstd.core.edits import site_axes
 from jstd.core.inputs import Inputs
-from jstd.models.base import Model
+from jstd.nn.model import Model
 from jstd.run import Outputs, forward, run
 
 STATE_OUTPUT = "layers.linear_attn.state_output"

@@ -21,7 +21,7 @@ from jstd.core.sites import SITES, SiteError, parse
 from jstd.generate.budget import check_fits, check_max_new_tokens
 from jstd.generate.cache import IMAGE_PREFIXES, decode, prefill, stepper
 from jstd.generate.sampling import Sampling, next_token
-from jstd.models.base import Model
+from jstd.nn.model import Model
 from jstd.run import as_reads, check_sites
 
 

@@ -15,7 +15,7 @@ from jstd.core.inputs import Inputs, as_inputs, with_layout
 from jstd.generate.budget import check_fits, check_max_new_tokens
 from jstd.generate.cache import decode, prefill, stepper
 from jstd.generate.sampling import Sampling, next_token
-from jstd.models.base import Model
+from jstd.nn.model import Model
 
 
 def stream(model: Model, inputs: Int[ArrayLike, "batch prompt"] | Inputs, *, max_new_tokens: int,

@@ -23,7 +23,7 @@ from jstd.io.source import Source
 from jstd.io.stacked import IGNORED, copy_side_files, is_converted
 from jstd.core.progress import Progress
 from jstd.io.staging import Staging, check_destination
-from jstd.models.namemap import at_path, spelled
+from jstd.nn.namemap import at_path, spelled
 
 
 def export(model, dst, *, force: bool = False, files_from=None, progress: bool = False) -> Path:

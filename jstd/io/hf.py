@@ -17,8 +17,8 @@ import numpy as np
 from jstd.families import family_for
 from jstd.io.hub import resolve
 from jstd.io.safetensors import CheckpointError, SafetensorsFiles
-from jstd.models.base import with_fields
-from jstd.models.namemap import at_path, spelled
+from jstd.nn.params import with_fields
+from jstd.nn.namemap import at_path, spelled
 
 # Config keys no forward reads, whatever the family: bookkeeping, token ids (the tokenizer's and generation's
 # business) and training-only numbers (initialization, caching; any key naming a dropout). transformers' base

@@ -11,7 +11,7 @@ from jstd.io.hub import resolve
 from jstd.io.safetensors import SafetensorsFiles
 from jstd.io.source import hf_source, with_source
 from jstd.io.stacked import is_converted, load_converted
-from jstd.models.namemap import at_path, leaf_paths, replace_at
+from jstd.nn.namemap import at_path, leaf_paths, replace_at
 from jstd.sharding import placer
 
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from jstd.io.safetensors import SafetensorsFiles
-from jstd.models.base import with_fields
+from jstd.nn.params import with_fields
 
 
 class Source:

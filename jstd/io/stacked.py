@@ -43,7 +43,7 @@ from jstd.io.source import Source, hf_source, with_source
 from jstd.core.progress import Progress
 from jstd.io.staging import Staging, check_destination
 from jstd.io.structure import decode_structure, encode_structure
-from jstd.models.namemap import leaf_paths
+from jstd.nn.namemap import leaf_paths
 from jstd.sharding import placer
 
 FORMAT = "jstd-stacked"

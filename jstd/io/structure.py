@@ -15,17 +15,18 @@ import jax
 import numpy as np
 
 # classes the structure of a checkpoint written by an earlier jstd names where they no longer live:
-# "module:qualname" as written -> where the class is now (the fields are the same)
+# "module:qualname" as written -> where the class is now (the fields are the same); a module that moved since
+# (``jstd.models.MOVED_MODULES``: the layers' move to ``jstd.nn``) still imports under its old name
 MOVED = {
     "jstd.config:ModelConfig": "jstd.core.config:ModelConfig",
     "jstd.config:VisionConfig": "jstd.core.config:VisionConfig",
-    "jstd.models.layers:RMSNorm": "jstd.models.norms:RMSNorm",
-    "jstd.models.layers:HeadNorm": "jstd.models.norms:HeadNorm",
-    "jstd.models.layers:LayerNorm": "jstd.models.norms:LayerNorm",
-    "jstd.models.layers:GatedMLP": "jstd.models.mlp:GatedMLP",
-    "jstd.models.layers:MLP": "jstd.models.mlp:MLP",
-    "jstd.models.layers:Attention": "jstd.models.attention:Attention",
-    "jstd.models.layers:Block": "jstd.models.block:Block",
+    "jstd.models.layers:RMSNorm": "jstd.nn.norms:RMSNorm",
+    "jstd.models.layers:HeadNorm": "jstd.nn.norms:HeadNorm",
+    "jstd.models.layers:LayerNorm": "jstd.nn.norms:LayerNorm",
+    "jstd.models.layers:GatedMLP": "jstd.nn.mlp:GatedMLP",
+    "jstd.models.layers:MLP": "jstd.nn.mlp:MLP",
+    "jstd.models.layers:Attention": "jstd.nn.attention:Attention",
+    "jstd.models.layers:Block": "jstd.nn.block:Block",
 }
 
 

@@ -1,4 +1,13 @@
-"""The text families, by the ``model_type`` they serve (``jstd.families`` adds the towers and wrappers)."""
+"""The text families: one declaration a file (``llama.py`` … ``qwen3_5_moe.py``) over the layers of ``jstd.nn``,
+what a declaration is in ``family.py``, and ``TEXT_FAMILIES`` by the ``model_type`` they serve (``jstd.families``
+adds the towers and wrappers).
+
+The layers lived here until they moved to ``jstd.nn``: their old module names (``jstd.models.attention``,
+``jstd.models.base``, …) still import, as the modules they moved to (``MOVED_MODULES``)."""
+
+import importlib
+import sys
+import types
 
 from jstd.models.gemma import Gemma
 from jstd.models.gpt2 import GPT2
@@ -28,3 +37,28 @@ TEXT_FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwe
                                      Mistral, Qwen2, Gemma2, Gemma3Text, Olmo3,
                                      Qwen3Moe, Qwen3VLMoeText, Olmoe, Mixtral, Qwen3_5MoeText)
                  for t in f.model_types}
+
+# module -> the module(s) its names moved to; a module split in several is served as one module holding their names
+MOVED_MODULES = {
+    **{f"jstd.models.{m}": (f"jstd.nn.{m}",) for m in ("attention", "gated_attention", "deltanet", "moe", "mlp",
+                                                       "norms", "block", "stack", "namemap")},
+    "jstd.models.base": ("jstd.nn.params", "jstd.nn.model", "jstd.models.family"),
+    "jstd.models.causal_lm": ("jstd.nn.causal_lm", "jstd.nn.attention_inputs", "jstd.models.family"),
+    "jstd.models.layer_rotary": ("jstd.models.family",),
+}
+
+
+def _serve_moved(old: str, new: tuple[str, ...]) -> None:
+    modules = [importlib.import_module(m) for m in new]
+    if len(modules) == 1:
+        module = modules[0]
+    else:
+        module = types.ModuleType(old, f"Moved to {', '.join(new)}; their names, served under the old one.")
+        for m in modules:
+            module.__dict__.update({k: v for k, v in vars(m).items() if not k.startswith("__")})
+    sys.modules[old] = module
+    setattr(sys.modules[__name__], old.rpartition(".")[2], module)
+
+
+for _old, _new in MOVED_MODULES.items():
+    _serve_moved(_old, _new)

@@ -25,9 +25,10 @@ from jaxtyping import Array, Float
 
 from jstd.core.config import ModelConfig
 from jstd.kernels.rounding import rounded
-from jstd.models.causal_lm import CausalLM, TextFamily
+from jstd.nn.causal_lm import CausalLM
+from jstd.models.family import TextFamily
 from jstd.models.llama import Llama
-from jstd.models.norms import RMSNorm
+from jstd.nn.norms import RMSNorm
 
 
 class GemmaLM(CausalLM):

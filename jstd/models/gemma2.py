@@ -25,11 +25,11 @@ before the cap and says so).
 from __future__ import annotations
 
 from jstd.core.config import ModelConfig
-from jstd.models.attention import Attention
-from jstd.models.block import Block
-from jstd.models.causal_lm import TextFamily
+from jstd.nn.attention import Attention
+from jstd.nn.block import Block
+from jstd.models.family import TextFamily
 from jstd.models.gemma import Gemma
-from jstd.models.mlp import GatedMLP
+from jstd.nn.mlp import GatedMLP
 from jstd.models.qwen3 import layer_kinds
 
 GEMMA2_NAMES = {"attention_norm": "input_layernorm", "attn": "self_attn",

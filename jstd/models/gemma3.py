@@ -20,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 
 from jstd.core.config import ModelConfig
-from jstd.models.attention import Attention
+from jstd.nn.attention import Attention
 from jstd.models.gemma2 import Gemma2
-from jstd.models.layer_rotary import rotaries
-from jstd.models.norms import HeadNorm
+from jstd.models.family import rotaries
+from jstd.nn.norms import HeadNorm
 
 
 class Gemma3Text(Gemma2):

@@ -28,13 +28,14 @@ import equinox as eqx
 from jaxtyping import Array, Float
 
 from jstd.core.config import ModelConfig
-from jstd.models.attention import Attention
-from jstd.models.base import shape
-from jstd.models.block import Block
-from jstd.models.causal_lm import CausalLM, TextFamily, tied
-from jstd.models.mlp import MLP
-from jstd.models.namemap import Entry, linear
-from jstd.models.norms import LayerNorm
+from jstd.nn.attention import Attention
+from jstd.nn.params import shape
+from jstd.nn.block import Block
+from jstd.nn.causal_lm import CausalLM
+from jstd.models.family import TextFamily, tied
+from jstd.nn.mlp import MLP
+from jstd.nn.namemap import Entry, linear
+from jstd.nn.norms import LayerNorm
 
 GPT2_NAMES = {"attention_norm": "ln_1", "attn": "attn", "mlp_norm": "ln_2", "mlp": "mlp"}
 

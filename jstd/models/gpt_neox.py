@@ -21,12 +21,12 @@ checkpoints store the head as ``embed_out``; transformers 5 renames it
 from __future__ import annotations
 
 from jstd.core.config import ModelConfig
-from jstd.models.attention import Attention
-from jstd.models.block import Block
-from jstd.models.causal_lm import TextFamily
-from jstd.models.mlp import MLP
-from jstd.models.namemap import Entry, linear, present, split_in
-from jstd.models.norms import LayerNorm
+from jstd.nn.attention import Attention
+from jstd.nn.block import Block
+from jstd.models.family import TextFamily
+from jstd.nn.mlp import MLP
+from jstd.nn.namemap import Entry, linear, present, split_in
+from jstd.nn.norms import LayerNorm
 
 NEOX_NAMES = {"attention_norm": "input_layernorm", "attn": "attention", "mlp_norm": "post_attention_layernorm",
               "mlp": "mlp", "fc1": "dense_h_to_4h", "fc2": "dense_4h_to_h"}

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jstd.models.block import LLAMA_NAMES, Block
+from jstd.nn.block import LLAMA_NAMES, Block
 from jstd.models.llama import Llama
 
 

@@ -14,10 +14,10 @@ array), ``head_dim`` independent of ``hidden_size / heads``. The model is a
 from __future__ import annotations
 
 from jstd.core.config import ModelConfig
-from jstd.models.causal_lm import TextFamily
-from jstd.models.attention import Attention
-from jstd.models.block import Block
-from jstd.models.mlp import GatedMLP
+from jstd.models.family import TextFamily
+from jstd.nn.attention import Attention
+from jstd.nn.block import Block
+from jstd.nn.mlp import GatedMLP
 
 
 class Llama(TextFamily):

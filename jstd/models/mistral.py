@@ -12,7 +12,7 @@ stops attending the keys older than it exactly as transformers' sliding cache.
 
 from __future__ import annotations
 
-from jstd.models.causal_lm import TextFamily
+from jstd.models.family import TextFamily
 from jstd.models.llama import Llama
 
 

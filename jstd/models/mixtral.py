@@ -1,4 +1,4 @@
-"""Mixtral (``model_type`` mixtral): Llama's block with a mixture-of-experts MLP (``jstd.models.moe``).
+"""Mixtral (``model_type`` mixtral): Llama's block with a mixture-of-experts MLP (``jstd.nn.moe``).
 
     h   = x + self_attn(input_layernorm(x))
     out = h + moe(post_attention_layernorm(h))      # experts intermediate_size wide
@@ -17,10 +17,10 @@ import dataclasses
 import numpy as np
 
 from jstd.core.config import ModelConfig
-from jstd.models.block import LLAMA_NAMES, Block
+from jstd.nn.block import LLAMA_NAMES, Block
 from jstd.models.llama import Llama
-from jstd.models.moe import MoEMLP, with_experts
-from jstd.models.namemap import Entry
+from jstd.nn.moe import MoEMLP, with_experts
+from jstd.nn.namemap import Entry
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 

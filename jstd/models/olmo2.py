@@ -19,11 +19,11 @@ cos/sin stay float32 whatever the dtype, and the rotated q/k are cast back
 from __future__ import annotations
 
 from jstd.core.config import ModelConfig
-from jstd.models.attention import Attention
-from jstd.models.block import Block
-from jstd.models.causal_lm import TextFamily
-from jstd.models.mlp import GatedMLP
-from jstd.models.norms import RMSNorm
+from jstd.nn.attention import Attention
+from jstd.nn.block import Block
+from jstd.models.family import TextFamily
+from jstd.nn.mlp import GatedMLP
+from jstd.nn.norms import RMSNorm
 
 # a post-norm block's module names: post_attention_layernorm is the norm after the attention here
 OLMO2_NAMES = {"attn": "self_attn", "attention_post_norm": "post_attention_layernorm", "mlp": "mlp",

@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 
 from jstd.core.config import ModelConfig
-from jstd.models.attention import Attention
-from jstd.models.layer_rotary import rotaries
+from jstd.nn.attention import Attention
+from jstd.models.family import rotaries
 from jstd.models.olmo2 import Olmo2
 from jstd.models.qwen3 import layer_kinds
 

@@ -10,7 +10,7 @@
 
 ``config.layer_types`` gives each block's kind (on the released checkpoints
 every fourth block is ``full_attention``). The model is a ``CausalLM`` whose
-stack runs one repeating period of kinds per scan step (``jstd.models.stack``),
+stack runs one repeating period of kinds per scan step (``jstd.nn.stack``),
 so compile time does not grow with depth; a tail that is not a whole period
 runs after the scan.
 
@@ -39,12 +39,12 @@ The values, in the standard vocabulary:
 from __future__ import annotations
 
 from jstd.kernels.rope_config import rotary_from_config
-from jstd.models.causal_lm import HybridTextFamily
-from jstd.models.deltanet import GatedDeltaNet
-from jstd.models.attention import Attention
-from jstd.models.block import Block
-from jstd.models.mlp import GatedMLP
-from jstd.models.norms import RMSNorm
+from jstd.models.family import HybridTextFamily
+from jstd.nn.deltanet import GatedDeltaNet
+from jstd.nn.attention import Attention
+from jstd.nn.block import Block
+from jstd.nn.mlp import GatedMLP
+from jstd.nn.norms import RMSNorm
 
 LINEAR, FULL = HybridTextFamily.LINEAR, HybridTextFamily.FULL
 # transformers hard-codes the gated output norm's eps (FLA's FusedRMSNormGated default), ignoring rms_norm_eps

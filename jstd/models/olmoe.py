@@ -1,5 +1,5 @@
 """OLMoE (``model_type`` olmoe): Llama's block with OLMo's q/k norms over the whole projections and a
-mixture-of-experts MLP (``jstd.models.moe``) in every block.
+mixture-of-experts MLP (``jstd.nn.moe``) in every block.
 
     a   = input_layernorm(x)
     q   = rope(q_norm(q_proj(a)))        # q_norm over all heads at once (hidden_size wide), before the split
@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 
 from jstd.core.config import ModelConfig
-from jstd.models.attention import Attention
-from jstd.models.block import Block
+from jstd.nn.attention import Attention
+from jstd.nn.block import Block
 from jstd.models.llama import Llama
-from jstd.models.moe import MoEMLP, with_experts
-from jstd.models.norms import RMSNorm
+from jstd.nn.moe import MoEMLP, with_experts
+from jstd.nn.norms import RMSNorm
 
 
 class Olmoe(Llama):

@@ -23,12 +23,12 @@ attends the last ``sliding_window`` keys, as transformers' Phi-3 mask does.
 from __future__ import annotations
 
 from jstd.core.config import ModelConfig
-from jstd.models.attention import Attention
-from jstd.models.block import Block
-from jstd.models.causal_lm import TextFamily
+from jstd.nn.attention import Attention
+from jstd.nn.block import Block
+from jstd.models.family import TextFamily
 from jstd.models.llama import Llama
-from jstd.models.mlp import GatedMLP
-from jstd.models.namemap import Entry, linear, present, split_in, split_out
+from jstd.nn.mlp import GatedMLP
+from jstd.nn.namemap import Entry, linear, present, split_in, split_out
 
 
 def _rows(start: int, stop: int | None, then):

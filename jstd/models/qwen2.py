@@ -20,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 
 from jstd.core.config import ModelConfig
-from jstd.models.attention import Attention
-from jstd.models.block import Block
-from jstd.models.mlp import GatedMLP
-from jstd.models.causal_lm import TextFamily
+from jstd.nn.attention import Attention
+from jstd.nn.block import Block
+from jstd.nn.mlp import GatedMLP
+from jstd.models.family import TextFamily
 from jstd.models.llama import Llama
 from jstd.models.qwen3 import layer_kinds
 

@@ -8,7 +8,7 @@
 ``config.layer_types`` gives each block's kind (``linear_attention`` on three
 blocks in four, ``full_attention`` on every fourth on the released
 checkpoints); the stack scans one period of kinds per step
-(``jstd.models.stack``). What differs from OLMo-Hybrid:
+(``jstd.nn.stack``). What differs from OLMo-Hybrid:
 
 - Every RMSNorm of the stream and the attention's ``q_norm`` / ``k_norm`` is
   zero-centred: it multiplies by ``1 + weight`` (formed in float32 and applied
@@ -38,12 +38,12 @@ Mixture-of-experts Qwen3.5 (``qwen3_5_moe_text``) is ``jstd.models.qwen3_5_moe``
 from __future__ import annotations
 
 from jstd.kernels.rope_config import rotary_from_config
-from jstd.models.causal_lm import HybridTextFamily
-from jstd.models.deltanet import GatedDeltaNet
-from jstd.models.gated_attention import GatedAttention
-from jstd.models.block import LLAMA_NAMES, Block
-from jstd.models.mlp import GatedMLP
-from jstd.models.norms import RMSNorm
+from jstd.models.family import HybridTextFamily
+from jstd.nn.deltanet import GatedDeltaNet
+from jstd.nn.gated_attention import GatedAttention
+from jstd.nn.block import LLAMA_NAMES, Block
+from jstd.nn.mlp import GatedMLP
+from jstd.nn.norms import RMSNorm
 
 LINEAR, FULL = HybridTextFamily.LINEAR, HybridTextFamily.FULL
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 from jstd.core.config import ModelConfig
-from jstd.models.block import Block
-from jstd.models.moe import MoEMLP, with_experts
+from jstd.nn.block import Block
+from jstd.nn.moe import MoEMLP, with_experts
 from jstd.models.qwen3_5 import Qwen3_5Text
 
 

@@ -1,5 +1,5 @@
 """Qwen3-MoE (``model_type`` qwen3_moe) and Qwen3-VL-MoE's text model (``qwen3_vl_moe_text``): Qwen3's block with
-a mixture-of-experts MLP (``jstd.models.moe``).
+a mixture-of-experts MLP (``jstd.nn.moe``).
 
     a   = input_layernorm(x)
     h   = x + o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))   # q_norm, k_norm: RMSNorm over each head
@@ -20,8 +20,8 @@ import dataclasses
 from jstd.core.config import ModelConfig
 from jstd.kernels.rope import Rotary
 from jstd.kernels.rope_config import rotary_from_config
-from jstd.models.block import Block
-from jstd.models.moe import MoEMLP, with_experts
+from jstd.nn.block import Block
+from jstd.nn.moe import MoEMLP, with_experts
 from jstd.models.qwen3_vl import Qwen3VLText
 
 FULL, SLIDING, DENSE = "full_attention", "sliding_attention", "dense_mlp_"

@@ -23,8 +23,8 @@ import equinox as eqx
 from jstd.core.config import ModelConfig
 from jstd.kernels.rope import Rotary
 from jstd.kernels.rope_config import rotary_from_config
-from jstd.models.block import Block
-from jstd.models.norms import HeadNorm
+from jstd.nn.block import Block
+from jstd.nn.norms import HeadNorm
 from jstd.models.llama import Llama
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 
 from jstd.core.config import ModelConfig
-from jstd.models.attention import Attention
-from jstd.models.block import Block
+from jstd.nn.attention import Attention
+from jstd.nn.block import Block
 from jstd.models.llama import Llama
 from jstd.models.qwen3 import layer_kinds
 

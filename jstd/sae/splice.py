@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int
 
 from jstd.core.edits import Edit, check_index, selection_mask
 from jstd.core.sites import SITES, SiteError, parse
-from jstd.models.base import Model
+from jstd.nn.model import Model
 from jstd.run import check_sites
 from jstd.sae.format import site_of
 from jstd.sae.module import SAE, stack

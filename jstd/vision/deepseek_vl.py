@@ -10,7 +10,7 @@ otherwise.
 
 from __future__ import annotations
 
-from jstd.models.namemap import Entry
+from jstd.nn.namemap import Entry
 from jstd.vision.projector import MLPProjector
 from jstd.vision.wrapper import VisionLanguageModel, WrapperFamily
 

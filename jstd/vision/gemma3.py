@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jstd.kernels.attention import bidirectional_blocks
-from jstd.models.base import param, shape
-from jstd.models.namemap import Entry
-from jstd.models.norms import RMSNorm
+from jstd.nn.params import param, shape
+from jstd.nn.namemap import Entry
+from jstd.nn.norms import RMSNorm
 from jstd.vision.llava import LLAVA_KEYS, LLAVA_STORED
 from jstd.vision.wrapper import VisionLanguageModel, WrapperFamily
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstd.core.inputs import Inputs
-from jstd.models.namemap import Entry
+from jstd.nn.namemap import Entry
 from jstd.vision.projector import PixelShuffleProjector
 from jstd.vision.tower import check_pixels
 from jstd.vision.towers import ViTFamily

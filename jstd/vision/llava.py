@@ -18,7 +18,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax.numpy as jnp
 
-from jstd.models.namemap import Entry
+from jstd.nn.namemap import Entry
 from jstd.vision.projector import MLPProjector
 from jstd.vision.wrapper import VisionLanguageModel, WrapperFamily
 

@@ -29,8 +29,8 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from jstd.core.inputs import Inputs
-from jstd.models.base import shape
-from jstd.models.namemap import Entry
+from jstd.nn.params import shape
+from jstd.nn.namemap import Entry
 from jstd.vision.llava import LLAVA_STORED, Llava, LlavaModel
 
 LLAVA_NEXT_STORED = {**LLAVA_STORED, "model.image_newline": ("image_newline", "model.image_newline")}

@@ -12,10 +12,10 @@ from __future__ import annotations
 import equinox as eqx
 from jaxtyping import Array, Float
 
-from jstd.models.namemap import Entry, linear, present
-from jstd.models.base import param, shape
+from jstd.nn.namemap import Entry, linear, present
+from jstd.nn.params import param, shape
 from jstd.kernels.activations import activation
-from jstd.models.norms import LayerNorm
+from jstd.nn.norms import LayerNorm
 
 
 class MLPProjector(eqx.Module):

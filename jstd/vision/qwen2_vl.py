@@ -30,11 +30,13 @@ from jaxtyping import Array, Float
 
 from jstd.core.config import ModelConfig, VisionConfig
 from jstd.core.inputs import Inputs
-from jstd.models.block import Block
-from jstd.models.mlp import MLP, GatedMLP
-from jstd.models.norms import LayerNorm, RMSNorm
-from jstd.models.stack import Stack
-from jstd.models.base import Family, Model, shape
+from jstd.nn.block import Block
+from jstd.nn.mlp import MLP, GatedMLP
+from jstd.nn.norms import LayerNorm, RMSNorm
+from jstd.nn.stack import Stack
+from jstd.models.family import Family
+from jstd.nn.model import Model
+from jstd.nn.params import shape
 from jstd.kernels.mrope import mrope_positions
 from jstd.vision.projector import LinearProjector
 from jstd.vision.qwen_vit import (QWEN2_MERGER_NAMES, Grids, PackedAttention, PatchMerger, QwenViT, check_grids,

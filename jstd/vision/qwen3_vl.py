@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from jstd.core.config import VisionConfig
-from jstd.models.base import shape
-from jstd.models.mlp import MLP
+from jstd.nn.params import shape
+from jstd.nn.mlp import MLP
 from jstd.vision.qwen2_vl import QWEN_VIT_NAMES, Qwen2VL, QwenViTFamily, QwenVisionTower, QwenVLModel
 from jstd.vision.qwen_vit import QWEN3_MERGER_NAMES
 from jstd.vision.scatter import scatter_add

@@ -48,14 +48,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from jstd.models.namemap import Entry
+from jstd.nn.namemap import Entry
 from jstd.kernels import attention as attn_kernels
 from jstd.kernels.rope import rotate_half
 from jstd.kernels.rope_init import default_inv_freq
 from jstd.kernels.rounding import rounded
-from jstd.models.base import param, shape
-from jstd.models.norms import LayerNorm, RMSNorm
-from jstd.models.stack import Stack
+from jstd.nn.params import param, shape
+from jstd.nn.norms import LayerNorm, RMSNorm
+from jstd.nn.stack import Stack
 from jstd.vision.projector import MLPProjector
 
 Grids = tuple[tuple[int, int, int], ...]

@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jstd.models.namemap import Entry
-from jstd.models.base import Model, param
-from jstd.models.norms import LayerNorm
-from jstd.models.stack import Stack
+from jstd.nn.namemap import Entry
+from jstd.nn.model import Model
+from jstd.nn.params import param
+from jstd.nn.norms import LayerNorm
+from jstd.nn.stack import Stack
 
 
 def resampled_positions(patch_mask: Bool[Array, "images rows columns"], side: int) -> Int[Array, "images grid"]:

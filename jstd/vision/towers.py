@@ -19,12 +19,13 @@ top level (what transformers 5 saves for a vision model alone); both load.
 from __future__ import annotations
 
 from jstd.core.config import ModelConfig, VisionConfig
-from jstd.models.base import Family, shape
-from jstd.models.attention import Attention
-from jstd.models.block import Block
-from jstd.models.mlp import MLP
-from jstd.models.norms import LayerNorm
-from jstd.models.stack import Stack
+from jstd.models.family import Family
+from jstd.nn.params import shape
+from jstd.nn.attention import Attention
+from jstd.nn.block import Block
+from jstd.nn.mlp import MLP
+from jstd.nn.norms import LayerNorm
+from jstd.nn.stack import Stack
 from jstd.vision.tower import VisionModel, VisionTower
 
 VIT_NAMES = {"attention_norm": "layer_norm1", "attn": "self_attn", "mlp_norm": "layer_norm2", "mlp": "mlp",

@@ -29,10 +29,11 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jstd.core.config import ModelConfig
 from jstd.core.inputs import Inputs
-from jstd.models.namemap import Entry
-from jstd.models.base import Family, Model
+from jstd.nn.namemap import Entry
+from jstd.models.family import Family
+from jstd.nn.model import Model
 from jstd.models import TEXT_FAMILIES
-from jstd.models.causal_lm import TEXT_MODEL_SITES, CausalLM
+from jstd.nn.causal_lm import TEXT_MODEL_SITES, CausalLM
 from jstd.vision.scatter import check_image_tokens, image_token_mask, scatter
 from jstd.vision.tower import VisionTower, check_pixels
 from jstd.vision.towers import TOWERS

@@ -5,15 +5,12 @@
     logits = lm_head(final_norm(h)) · logits_scaling         # lm_head_output before the scaling
     logits = tanh(logits / cap) · cap                        # final_logit_softcapping (Gemma 2), when set
 
-Blocks of different kinds (``config.layer_types``) may attend differently:
-a block whose ``Attention`` has a ``sliding_window`` gets the causal mask
-narrowed to its window, and a kind may have its own rotary (``kind_rotary``:
-Gemma 3's local layers), so the stack receives the attention's arguments by
-block kind where they differ (``attention_args``).
+Blocks of different kinds (``config.layer_types``) may attend differently (a
+sliding window, a rotary of their own: ``kind_rotary``); ``attention_inputs``
+gives each kind its mask and cos/sin.
 
-A family declares its blocks (``TextFamily.block``), its checkpoint's module
-names (``TextFamily.names``) and the few numbers that differ (multipliers, the
-rotary's dtype); everything else is here, once.
+A family declares its blocks, its checkpoint's module names and the few numbers
+that differ (``jstd.models.family.TextFamily``); the model is this one class.
 """
 
 from __future__ import annotations
@@ -22,21 +19,18 @@ from typing import Callable, ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float
 
-from jstd.core.config import ModelConfig
 from jstd.core.context import begin
-from jstd.models.namemap import Entry, linear
-from jstd.kernels.attention import block_mask, window_mask
-from jstd.kernels.rope import Rotary
-from jstd.kernels.softcap import softcap
-from jstd.kernels.rope_config import rotary_from_config
-from jstd.kernels.rounding import rounded, times
-from jstd.models.base import Family, Model, param, shape
-from jstd.models.block import LLAMA_NAMES
-from jstd.models.norms import RMSNorm
-from jstd.models.stack import Stack
 from jstd.kernels.mrope import mrope_positions
+from jstd.kernels.rope import Rotary
+from jstd.kernels.rounding import rounded, times
+from jstd.kernels.softcap import softcap
+from jstd.nn.attention_inputs import attention_inputs, bidirectional_overlay
+from jstd.nn.model import Model
+from jstd.nn.norms import RMSNorm
+from jstd.nn.params import param
+from jstd.nn.stack import Stack
 
 TEXT_MODEL_SITES = frozenset({"token_embeddings", "final_norm_output", "lm_head_output", "logits", "next_token_probs"})
 
@@ -140,46 +134,6 @@ class CausalLM(Model):
         """The rotary of blocks of ``kind``: its own (``kind_rotary``) or the model's."""
         return dict(self.kind_rotary).get(kind, self.rotary)
 
-    def attention_args(self, positions, mask, context, seq: int, dtype):
-        """``self_attn``'s arguments ``(cos_sin, mask)``, or block kind -> them where kinds differ: a sliding
-        window narrows the mask (indices: the sequence's, ``Context.indices`` on a continued run), a kind's
-        own rotary gives its cos/sin."""
-        cos_sin = {}
-
-        def angles(rotary):
-            if rotary not in cos_sin:
-                cos_sin[rotary] = None if rotary is None else rotary.cos_sin(positions, dtype)
-            return cos_sin[rotary]
-
-        stack = self.layers
-        windows = {}
-        for q, slot in enumerate(stack.slots):
-            if slot.has("self_attn"):
-                windows.setdefault(stack.kinds[q], slot.attn.sliding_window)
-        if all(w is None for w in windows.values()) and not self.kind_rotary:
-            return angles(self.rotary), mask
-        if context is None:
-            index = jnp.arange(seq)[None]
-            query_index, key_index = index, index
-        else:
-            query_index, key_index = context.indices(mask.shape[-1] - seq)
-        by_kind = {}
-        for kind, window in windows.items():
-            narrowed = mask if window is None else mask & window_mask(query_index, key_index, window)
-            by_kind[kind] = (angles(self.rotary_for(kind)), narrowed)
-        return by_kind
-
-    @staticmethod
-    def block_overlay(blocks: Int[Array, "batch seq"], context, keys: int) -> Bool[Array, "batch 1 seq keys"]:
-        """Where the tokens' bidirectional ``blocks`` let a token see a key ``[batch, 1, seq, keys]`` (the keys: a
-        context's cached positions, which no block reaches, then the tokens; a block never spans two segments)."""
-        same = block_mask(blocks, blocks)
-        if context is None:
-            return same
-        segment, _ = context.segments()
-        same = same & (segment[:, :, None] == segment[:, None, :])[:, None]
-        return jnp.pad(same, ((0, 0), (0, 0), (0, 0), (keys - blocks.shape[1], 0)))
-
     def project_on_vocab(self, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
         """Final norm, head and whatever follows the head: the logit lens (exact at the last block)."""
         return self.logits_from_norm(self.final_norm(hidden))
@@ -213,9 +167,9 @@ class CausalLM(Model):
             real = attention_mask.astype(bool) if attention_mask is not None else (
                 None if context is None else context.real())
             blocks = blocks if real is None else jnp.where(real, blocks, -1)
-            mask = mask | self.block_overlay(blocks, context, mask.shape[-1])
+            mask = mask | bidirectional_overlay(blocks, context, mask.shape[-1])
         dtype = jnp.float32 if self.rotary_in_float32 else h.dtype
-        attention = self.attention_args(positions, mask, context, tokens.shape[1], dtype)
+        attention = attention_inputs(self.layers, self.rotary_for, positions, mask, context, tokens.shape[1], dtype)
         padding = None if attention_mask is None else attention_mask.astype(bool)
         pasts = {}
         if context is not None:
@@ -229,113 +183,3 @@ class CausalLM(Model):
         normed = s("final_norm_output", self.final_norm(h))
         logits = s("logits", self.finish_logits(s("lm_head_output", self.head(normed))))
         return logits, {**s.records, **block_reads}
-
-
-class TextFamily(Family):
-    """The declaration of a causal-LM family: override ``block`` (and, where they differ, ``names``,
-    ``layer_types``, ``rotary``, ``extra``, ``norm``, ``ignored``; ``model_class``: a ``CausalLM`` subclass)."""
-
-    model_class: ClassVar[type] = CausalLM
-    SLIDING = "sliding_attention"  # the block kind whose attention has config.sliding_window
-
-    handled = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                         "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "tie_word_embeddings",
-                         "rope_parameters", "rope_theta", "partial_rotary_factor", "max_position_embeddings",
-                         "original_max_position_embeddings"})
-
-    @classmethod
-    def standard_config(cls, hf) -> ModelConfig:
-        """The standard sizes from a transformers config with the usual attribute names."""
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        return ModelConfig(
-            model_type=hf.model_type, num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=head_dim, qk_head_dim=head_dim, vocab_size=hf.vocab_size,
-            intermediate_size=hf.intermediate_size, layer_types=cls.layer_types(hf),
-        )
-
-    @classmethod
-    def layer_types(cls, hf) -> tuple[str, ...]:
-        """Each block's kind; every block is ``full_attention`` unless the family says otherwise."""
-        return ("full_attention",) * hf.num_hidden_layers
-
-    @classmethod
-    def window(cls, hf, kind: str) -> int | None:
-        """The sliding window of blocks of ``kind``: ``config.sliding_window`` on ``sliding_attention`` blocks,
-        None (full attention) on every other kind."""
-        return getattr(hf, "sliding_window", None) if kind == cls.SLIDING else None
-
-    @classmethod
-    def block(cls, hf, c: ModelConfig, kind: str, dtype):
-        """The skeleton of one block of ``kind`` (a ``block.Block``)."""
-        raise NotImplementedError
-
-    @classmethod
-    def names(cls, hf, kind: str) -> dict:
-        """A block's HuggingFace module names (``Block.entries``)."""
-        return LLAMA_NAMES
-
-    @classmethod
-    def norm(cls, hf, c: ModelConfig, dtype) -> RMSNorm:
-        """The final norm (and, by default, every block norm's shape)."""
-        return RMSNorm.skeleton(c.hidden_size, hf.rms_norm_eps, dtype)
-
-    @classmethod
-    def rotary(cls, hf, c: ModelConfig) -> Rotary | None:
-        return rotary_from_config(hf, c.head_dim)
-
-    @classmethod
-    def extra(cls, hf) -> dict:
-        """CausalLM's static numbers that differ from their defaults (multipliers)."""
-        return {}
-
-    @classmethod
-    def skeleton(cls, hf, dtype) -> CausalLM:
-        c = cls.standard_config(hf)
-        return cls.model_class(
-            config=c, family=cls.family,
-            embed=shape(c.vocab_size, c.hidden_size, dtype=dtype),
-            layers=Stack.skeleton("layers", c.layer_types, lambda kind: cls.block(hf, c, kind, dtype)),
-            final_norm=cls.norm(hf, c, dtype),
-            lm_head=None if tied(hf) else shape(c.hidden_size, c.vocab_size, dtype=dtype),
-            rotary=cls.rotary(hf, c),
-            **cls.extra(hf),
-        )
-
-    @classmethod
-    def name_map(cls, hf, skeleton=None) -> list[Entry]:
-        skeleton = skeleton if skeleton is not None else cls.skeleton(hf, jnp.float32)
-        return [
-            Entry("model.embed_tokens.weight", "embed"),
-            Entry("model.norm.weight", "final_norm.weight"),
-            *([] if skeleton.lm_head is None else [Entry("lm_head.weight", "lm_head", linear)]),
-            *skeleton.layers.name_map("layers", "model.layers.{i}.", lambda kind: cls.names(hf, kind)),
-        ]
-
-    @classmethod
-    def ignored(cls, hf) -> tuple[str, ...]:
-        # rotary buffers are recomputed; a tied head stored anyway is the embedding itself
-        return ("*rotary_emb.inv_freq",) + (("lm_head.weight",) if tied(hf) else ())
-
-
-class HybridTextFamily(TextFamily):
-    """A text family whose blocks are gated DeltaNet (``linear_attention``) or softmax attention
-    (``full_attention``) blocks as ``config.layer_types`` says (OLMo-Hybrid, Qwen3.5)."""
-
-    LINEAR, FULL = "linear_attention", "full_attention"
-    handled = TextFamily.handled | {"layer_types", "linear_num_key_heads", "linear_num_value_heads",
-                                    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"}
-
-    @classmethod
-    def layer_types(cls, hf) -> tuple[str, ...]:
-        """``config.layer_types``; ValueError naming any kind but the two."""
-        kinds = tuple(hf.layer_types)
-        unknown = set(kinds) - {cls.LINEAR, cls.FULL}
-        if unknown:
-            raise ValueError(f"{cls.family} layer_types holds {sorted(unknown)}; supported: {cls.LINEAR}, {cls.FULL}")
-        return kinds
-
-
-def tied(hf) -> bool:
-    return bool(getattr(hf, "tie_word_embeddings", False))

@@ -16,8 +16,8 @@ from jaxtyping import Array, Float
 from jstd.core.tap import Taps
 from jstd.kernels.activations import activation
 from jstd.kernels.projection import add_bias
-from jstd.models.base import param, shape
-from jstd.models.namemap import Entry, linear, present
+from jstd.nn.params import param, shape
+from jstd.nn.namemap import Entry, linear, present
 
 
 class GatedMLP(eqx.Module):

@@ -30,9 +30,9 @@ from jaxtyping import Array, Float
 from jstd.core.config import ModelConfig
 from jstd.core.tap import Taps
 from jstd.kernels.moe import combine, expert_outputs, route
-from jstd.models.base import param, shape
-from jstd.models.mlp import GatedMLP
-from jstd.models.namemap import Entry, linear
+from jstd.nn.params import param, shape
+from jstd.nn.mlp import GatedMLP
+from jstd.nn.namemap import Entry, linear
 
 # the per-expert spellings of (gate, up, down): transformers' module names, and Mixtral's hub files'
 PER_EXPERT = {"proj": ("gate_proj", "up_proj", "down_proj"), "w": ("w1", "w3", "w2")}

@@ -1,72 +1,17 @@
-"""What every model shares: the loaded-model protocol, family declarations, parameter fields with logical axes."""
+"""The loaded-model protocol: a composition of stacks of blocks and the parts around them."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from jstd.core.checks import block_ranges, check_kind, checked, is_traced, span
 from jstd.core.config import ModelConfig
 from jstd.core.sites import SITES, SiteError
-
-DATA, MODEL = "data", "model"  # the mesh axes of jstd.sharding's rules: rows of the batch, tensor parallelism
-
-
-# every logical axis name a parameter of some jstd module declares (``param``): what a sharding rule may name
-LOGICAL_NAMES: set[str] = {"layers"}
-
-
-def param(*axes: str):
-    """A parameter field whose array carries logical axis names (for sharding rules).
-
-    The names are the array's axes in order; blocks stacked for the scan get a
-    leading ``layers`` axis (see ``logical_axes``). Each name joins ``LOGICAL_NAMES``.
-    """
-    LOGICAL_NAMES.update(axes)
-    return eqx.field(metadata={"axes": tuple(axes)})
-
-
-def stacked():
-    """A field holding blocks stacked on a leading ``layers`` axis."""
-    return eqx.field(metadata={"stacked": True})
-
-
-def shape(*dims, dtype) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(dims), dtype)
-
-
-def logical_axes(module: eqx.Module):
-    """A pytree shaped like ``module`` whose leaves are ``PartitionSpec``s of logical axis names.
-
-    ``("layers", "embed", "heads", "head_dim")`` for a stacked query projection,
-    and so on. A sharding rule maps these names to mesh axes, so families never
-    change when sharding is added.
-    """
-    from jax.sharding import PartitionSpec
-
-    def spec(path, leaf):
-        node, prefix, axes = module, (), None
-        for key in path:
-            if isinstance(key, jax.tree_util.SequenceKey):
-                node = node[key.idx]
-                continue
-            field = {f.name: f for f in dataclasses.fields(node)}[key.name]
-            if field.metadata.get("stacked"):
-                prefix += ("layers",)
-            axes = field.metadata.get("axes")
-            node = getattr(node, key.name)
-        if axes is None:
-            raise ValueError(f"parameter {jax.tree_util.keystr(path)} declares no logical axes")
-        return PartitionSpec(*(prefix + axes))
-
-    return jax.tree_util.tree_map_with_path(spec, module)
 
 
 class Model(eqx.Module):
@@ -207,61 +152,3 @@ class Model(eqx.Module):
         """``(final_norm, logits_from_norm)`` for direct logit attribution; raises where there is no head."""
         raise NotImplementedError(f"direct logit attribution needs a final norm and a head; a {self.family} "
                                   "model has none")
-
-
-class Family:
-    """A family's declaration: the ``model_types`` it serves and how to build its model from a transformers
-    config — the standard sizes, a ``skeleton`` whose leaves are the parameters' shapes, the ``name_map``
-    from HuggingFace keys to that tree, and the checkpoint tensors it knowingly ``ignored``."""
-
-    family: ClassVar[str]
-    model_types: ClassVar[tuple[str, ...]]
-    # the config attributes the family reads or knowingly ignores; the loader reports any other whose value is not
-    # transformers' default (``jstd.io.hf.unhandled``)
-    handled: ClassVar[frozenset[str]] = frozenset()
-
-    @classmethod
-    def standard_config(cls, hf) -> ModelConfig:
-        raise NotImplementedError
-
-    @classmethod
-    def skeleton(cls, hf, dtype) -> Model:
-        """The model with ``jax.ShapeDtypeStruct`` leaves (the shapes the loader fills)."""
-        raise NotImplementedError
-
-    @classmethod
-    def name_map(cls, hf):
-        """The ``io.namemap.Entry`` list from HuggingFace keys to the skeleton."""
-        raise NotImplementedError
-
-    @classmethod
-    def ignored(cls, hf) -> tuple[str, ...]:
-        """Patterns (fnmatch) of checkpoint tensors the family knowingly does not use."""
-        return ()
-
-    @classmethod
-    def stored_prefixes(cls, hf) -> dict[str, tuple[str, ...]]:
-        """Where the name map's module prefixes may be stored: prefix -> the spellings checkpoints use, most
-        specific first (hub checkpoints and what transformers saves differ). The loader takes, for each prefix,
-        the first spelling some stored tensor starts with; none by default (keys are stored as mapped)."""
-        return {}
-
-
-def with_fields(model: eqx.Module, **fields) -> eqx.Module:
-    """``model`` with the static ``fields`` replaced (a shallow copy: the parameters are shared)."""
-    new = object.__new__(type(model))
-    new.__dict__.update(vars(model))
-    for name, value in fields.items():
-        object.__setattr__(new, name, value)
-    return new
-
-
-def constrain_rows(x: Array) -> Array:
-    """``x`` (a ``[batch, ...]`` activation: the residual stream) constrained to rows split over the ``data`` axis
-    of the mesh set with ``jax.set_mesh`` (``with jax.set_mesh(mesh): jax.jit(jstd.run)(...)``), so that under
-    ``FSDP`` XLA gathers each block's weights rather than splitting the stream by hidden units. Without such a mesh,
-    or with rows that ``data`` does not divide, ``x`` itself (no-op)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or DATA not in mesh.axis_names or not x.ndim or x.shape[0] % dict(mesh.shape)[DATA]:
-        return x
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(DATA))

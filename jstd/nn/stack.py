@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from jstd.core.tap import BlockScope
-from jstd.models.namemap import Entry
-from jstd.models.base import constrain_rows, stacked
+from jstd.nn.namemap import Entry
+from jstd.nn.params import constrain_rows, stacked
 
 
 def period_of(kinds: Sequence[str]) -> int:

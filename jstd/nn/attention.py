@@ -21,9 +21,9 @@ from jstd.core.tap import Taps
 from jstd.kernels import attention as attn_kernels
 from jstd.kernels.projection import add_bias, flat_product
 from jstd.kernels.rope import apply_rotary
-from jstd.models.base import param, shape
-from jstd.models.namemap import Entry, present, split, split_in, split_out
-from jstd.models.norms import RMSNorm
+from jstd.nn.params import param, shape
+from jstd.nn.namemap import Entry, present, split, split_in, split_out
+from jstd.nn.norms import RMSNorm
 
 
 class Attention(eqx.Module):

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import equinox as eqx
 from jaxtyping import Array, Float
 
-from jstd.models.namemap import Entry
-from jstd.models.base import shape
+from jstd.nn.namemap import Entry
+from jstd.nn.params import shape
 from jstd.kernels.projection import add_bias
-from jstd.models.attention import Attention
-from jstd.models.norms import HeadNorm
+from jstd.nn.attention import Attention
+from jstd.nn.norms import HeadNorm
 
 
 def _query_half(heads: int, half: int):

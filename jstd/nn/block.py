@@ -15,10 +15,10 @@ from jaxtyping import Array, Float
 
 from jstd.core.tap import Taps
 from jstd.kernels.rounding import rounded, times
-from jstd.models.mlp import MLP, GatedMLP
-from jstd.models.moe import MoEMLP
-from jstd.models.namemap import Entry
-from jstd.models.norms import LayerNorm, RMSNorm
+from jstd.nn.mlp import MLP, GatedMLP
+from jstd.nn.moe import MoEMLP
+from jstd.nn.namemap import Entry
+from jstd.nn.norms import LayerNorm, RMSNorm
 
 
 RAW_OUTPUT = {"self_attn": "self_attn.attention_raw_output", "mlp": "mlp.mlp_raw_output"}

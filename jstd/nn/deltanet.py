@@ -39,11 +39,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jstd.kernels.select import gated_delta_rule  # the kernel for the backend (jstd/kernels/select.py)
-from jstd.models.namemap import Entry, linear, split_in, split_out
-from jstd.models.base import param, shape
+from jstd.nn.namemap import Entry, linear, split_in, split_out
+from jstd.nn.params import param, shape
 from jstd.kernels.activations import activation
 from jstd.kernels.projection import flat_product
-from jstd.models.norms import RMSNorm
+from jstd.nn.norms import RMSNorm
 from jstd.core.tap import Taps
 
 SITE = "linear_attn."

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jstd.models.base import param, shape
-from jstd.models.namemap import Entry
+from jstd.nn.params import param, shape
+from jstd.nn.namemap import Entry
 
 
 class RMSNorm(eqx.Module):
