@@ -47,6 +47,7 @@ class ModelSpec:
     sliding_window: int = 4  # gemma2 only
     attn_softcap: float = 8.0  # gemma2 only
     final_softcap: float = 10.0  # gemma2 only
+    lm_std: float = 1.0  # Llama unembedding std (logits' spread)
 
 
 def build_tokenizer(vocab: int):
@@ -110,7 +111,7 @@ def build_model(spec: ModelSpec, out: Path):
                 std = 1.0 if spec.family == "llama" else 0.6  # gemma2: tied, so this is the unembedding too
                 p.copy_(std * torch.randn(p.shape, generator=g))
             elif "lm_head" in name:
-                p.copy_(1.0 * torch.randn(p.shape, generator=g))
+                p.copy_(spec.lm_std * torch.randn(p.shape, generator=g))
             else:
                 gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
                 p.copy_(gain / math.sqrt(p.shape[1]) * torch.randn(p.shape, generator=g))
@@ -476,3 +477,52 @@ def free(model):
     import gc
 
     gc.collect()
+
+
+def case_record(name, ms, ts, scan, given, graph, settings, targets_info, backends, summary,
+                script="scripts/circuit_tracer/reference.py"):
+    """case.json of the contract layout (scripts/circuit_tracer/README.md)."""
+    from importlib.metadata import version
+
+    return {
+        "name": name,
+        "generated_by": {
+            "script": script,
+            "circuit-tracer": version("circuit-tracer"),
+            "transformer-lens": version("transformer-lens"),
+            "transformers": version("transformers"),
+            "torch": torch.__version__,
+        },
+        "family": ms.family,
+        "model": {k: getattr(ms, k) for k in ("vocab", "d", "d_mlp", "n_layers", "n_heads", "n_kv", "seed")}
+        | ({"sliding_window": ms.sliding_window, "attn_logit_softcapping": ms.attn_softcap,
+            "final_logit_softcapping": ms.final_softcap} if ms.family == "gemma2" else {}),
+        "transcoders": {
+            "kind": ts.kind,
+            "activation": ts.act,
+            "skip": ts.skip,
+            "skip_in_memory_only": ts.kind == "clt" and ts.skip,
+            "width": ts.width,
+            "feature_input_hook": ts.input_hook,
+            "feature_output_hook": ts.output_hook,
+            "scan": scan,
+        },
+        "prompt_ids_given": given,
+        "input_tokens": graph.input_tokens.tolist(),
+        "input_string": graph.input_string,
+        "zero_positions": [0],
+        "settings": settings,
+        "targets": targets_info,
+        "logit_targets": [{"token_str": t.token_str, "vocab_idx": t.vocab_idx} for t in graph.logit_targets],
+        "vocab_size": graph.vocab_size,
+        "slug": name,
+        "backends": backends,
+        "counts": {
+            "n_pos": len(graph.input_tokens),
+            "n_active_features": len(graph.active_features),
+            "n_selected_features": len(graph.selected_features),
+            "n_logits": len(graph.logit_targets),
+            "n_nodes": graph.adjacency_matrix.shape[0],
+        },
+        "summary": summary,
+    }

@@ -16,7 +16,6 @@ import argparse
 import json
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -150,48 +149,8 @@ def run_case(name, spec, out_root: Path, nnsight: bool):
     summary = C.write_case_outputs(case_dir, name, graph, tgt, settings, extras, custom_vecs)
     (case_dir / "backends.json").write_text(json.dumps(backends, indent=2) + "\n")
 
-    case = {
-        "name": name,
-        "generated_by": {
-            "script": "scripts/circuit_tracer/reference.py",
-            "circuit-tracer": version("circuit-tracer"),
-            "transformer-lens": version("transformer-lens"),
-            "transformers": version("transformers"),
-            "torch": torch.__version__,
-        },
-        "family": ms.family,
-        "model": {k: getattr(ms, k) for k in ("vocab", "d", "d_mlp", "n_layers", "n_heads", "n_kv", "seed")}
-        | ({"sliding_window": ms.sliding_window, "attn_logit_softcapping": ms.attn_softcap,
-            "final_logit_softcapping": ms.final_softcap} if ms.family == "gemma2" else {}),
-        "transcoders": {
-            "kind": ts.kind,
-            "activation": ts.act,
-            "skip": ts.skip,
-            "skip_in_memory_only": ts.kind == "clt" and ts.skip,
-            "width": ts.width,
-            "feature_input_hook": ts.input_hook,
-            "feature_output_hook": ts.output_hook,
-            "scan": scan,
-        },
-        "prompt_ids_given": given,
-        "input_tokens": graph.input_tokens.tolist(),
-        "input_string": graph.input_string,
-        "zero_positions": [0],
-        "settings": settings,
-        "targets": targets_info,
-        "logit_targets": [{"token_str": t.token_str, "vocab_idx": t.vocab_idx} for t in graph.logit_targets],
-        "vocab_size": graph.vocab_size,
-        "slug": name,
-        "backends": ["transformerlens"] + (["nnsight"] if nnsight else []),
-        "counts": {
-            "n_pos": n,
-            "n_active_features": len(act),
-            "n_selected_features": len(graph.selected_features),
-            "n_logits": len(graph.logit_targets),
-            "n_nodes": graph.adjacency_matrix.shape[0],
-        },
-        "summary": summary,
-    }
+    case = C.case_record(name, ms, ts, scan, given, graph, settings, targets_info,
+                         ["transformerlens"] + (["nnsight"] if nnsight else []), summary)
     (case_dir / "case.json").write_text(json.dumps(case, indent=2) + "\n")
     C.free(tl)
     nn_info = backends.get("nnsight", {})
