@@ -392,6 +392,24 @@ def run_attribute(model, prompt_ids, settings, targets=None):
     return graph, rec.last
 
 
+def tl_internals(model, input_tokens):
+    """circuit-tracer's own intermediate values on its TransformerLens model, for debugging a re-implementation:
+    `feature_inputs` [L, n, d] (x at blocks.l.<feature_input_hook>), `feature_outputs` [L, n, d] (y at
+    blocks.l.<feature_output_hook>), and from its `setup_attribution` context `error_vectors` [L, n, d]
+    (y - reconstruction, position 0 zeroed) and `token_vectors` [n, d] (W_E[tokens], Gemma's sqrt(d) included)."""
+    ins = [f"blocks.{l}.{model.feature_input_hook}" for l in range(model.cfg.n_layers)]
+    outs = [f"blocks.{l}.{model.original_feature_output_hook}" for l in range(model.cfg.n_layers)]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(input_tokens[None], names_filter=lambda n: n in ins or n in outs)
+        ctx = model.setup_attribution(input_tokens)
+    return {
+        "feature_inputs": torch.stack([cache[n][0] for n in ins]),
+        "feature_outputs": torch.stack([cache[n][0] for n in outs]),
+        "error_vectors": ctx.error_vectors,
+        "token_vectors": ctx.token_vectors,
+    }
+
+
 def compare_graphs(a, b):
     """Agreement of two circuit-tracer Graphs (TL vs nnsight)."""
     out = {

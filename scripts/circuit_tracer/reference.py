@@ -128,6 +128,7 @@ def run_case(name, spec, out_root: Path, nnsight: bool):
         n_active = tl.setup_attribution(tl.ensure_tokenized(given)).activation_matrix._nnz()
         settings["max_feature_nodes"] = n_active // 2
     graph, tgt = C.run_attribute(tl, given, settings, targets)
+    internals = C.tl_internals(tl, graph.input_tokens)
     n = len(graph.input_tokens)
     act = graph.active_features
     assert (act[:, 1] == n - 1).any(), f"{name}: no active feature at the last position (CIRCUIT_TRACER.md s6)"
@@ -145,7 +146,7 @@ def run_case(name, spec, out_root: Path, nnsight: bool):
         except Exception as e:  # recorded, not hidden
             backends["nnsight"] = {"error": f"{type(e).__name__}: {e}"}
 
-    extras = {"logits_last_hf": hf_logits, "logits_last_tl": tl_logits}
+    extras = {"logits_last_hf": hf_logits, "logits_last_tl": tl_logits, **internals}
     summary = C.write_case_outputs(case_dir, name, graph, tgt, settings, extras, custom_vecs)
     (case_dir / "backends.json").write_text(json.dumps(backends, indent=2) + "\n")
 
