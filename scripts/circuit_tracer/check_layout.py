@@ -1,7 +1,8 @@
 """Check the case folders against the layout of scripts/circuit_tracer/README.md, reading only the files (numpy +
 safetensors + json, no circuit-tracer): transcoder activations recomputed from `transcoders/` and the stored MLP
 inputs equal `activation_values` on exactly `active_features`; `error_vectors` = MLP outputs minus the
-reconstruction (decoders, b_dec, skip with the documented transposes); node counts match the adjacency.
+reconstruction (decoders, b_dec, skip with the documented transposes); Llama logit-target vectors applied to
+`final_norm_output` give the demeaned logits; node counts match the adjacency.
 
     python scripts/circuit_tracer/check_layout.py [tests/data/circuit_tracer]
 """
@@ -60,6 +61,12 @@ def check(case: Path):
     expect = y - recon
     expect[:, 0] = 0
     np.testing.assert_allclose(err, expect, rtol=1e-4, atol=1e-5 * np.abs(y).max())
+    # logit targets read the final-norm output at the last position with demeaned unembedding columns: without a
+    # final softcap (Llama) their values are the demeaned logits
+    vals = g["logit_vectors"] @ g["final_norm_output"][-1]
+    if c["family"] == "llama" and c["targets"]["kind"] != "custom":
+        lg = g["logits_last_tl"]
+        np.testing.assert_allclose(vals, lg[g["logit_token_ids"]] - lg.mean(), rtol=1e-4, atol=1e-4)
     N = g["adjacency_matrix"].shape[0]
     assert N == len(g["selected_features"]) + L * n + n + len(g["logit_token_ids"]) == c["counts"]["n_nodes"]
     assert list(g["input_tokens"]) == c["input_tokens"] and len(g["input_tokens"]) == n

@@ -396,13 +396,18 @@ def tl_internals(model, input_tokens):
     """circuit-tracer's own intermediate values on its TransformerLens model, for debugging a re-implementation:
     `feature_inputs` [L, n, d] (x at blocks.l.<feature_input_hook>), `feature_outputs` [L, n, d] (y at
     blocks.l.<feature_output_hook>), and from its `setup_attribution` context `error_vectors` [L, n, d]
-    (y - reconstruction, position 0 zeroed) and `token_vectors` [n, d] (W_E[tokens], Gemma's sqrt(d) included)."""
+    (y - reconstruction, position 0 zeroed) and `token_vectors` [n, d] (W_E[tokens], Gemma's sqrt(d) included);
+    `final_norm_output` [n, d] (ln_final of the last block's output, with its gain: logit targets read it)."""
     ins = [f"blocks.{l}.{model.feature_input_hook}" for l in range(model.cfg.n_layers)]
     outs = [f"blocks.{l}.{model.original_feature_output_hook}" for l in range(model.cfg.n_layers)]
+    last = f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
     with torch.no_grad():
-        _, cache = model.run_with_cache(input_tokens[None], names_filter=lambda n: n in ins or n in outs)
+        _, cache = model.run_with_cache(input_tokens[None],
+                                        names_filter=lambda n: n in ins or n in outs or n == last)
         ctx = model.setup_attribution(input_tokens)
+        final = model.ln_final(cache[last])[0]  # what circuit-tracer's run_forward_pass caches for logit targets
     return {
+        "final_norm_output": final,
         "feature_inputs": torch.stack([cache[n][0] for n in ins]),
         "feature_outputs": torch.stack([cache[n][0] for n in outs]),
         "error_vectors": ctx.error_vectors,
