@@ -491,12 +491,9 @@ def write_case_outputs(case_dir: Path, slug: str, graph, targets, settings, extr
     }
 
 
-def free(model):
-    """TransformerLensReplacementModel.__del__ can raise at interpreter exit; drop models explicitly."""
-    try:
-        del model
-    except Exception:
-        pass
+def collect():
+    """Run the garbage collector after `del model`: TransformerLensReplacementModel.__del__ can print a TypeError
+    when models are left for interpreter exit (CIRCUIT_TRACER.md section 6)."""
     import gc
 
     gc.collect()

@@ -142,7 +142,8 @@ def run_case(name, spec, out_root: Path, nnsight: bool):
             nn_model = C.load_nnsight(model_dir, C.load_transcoders(case_dir / "transcoders", scan))
             g_nn, _ = C.run_attribute(nn_model, given, settings, targets)
             backends["nnsight"] = C.compare_graphs(graph, g_nn)
-            C.free(nn_model)
+            del nn_model
+            C.collect()
         except Exception as e:  # recorded, not hidden
             backends["nnsight"] = {"error": f"{type(e).__name__}: {e}"}
 
@@ -153,7 +154,8 @@ def run_case(name, spec, out_root: Path, nnsight: bool):
     case = C.case_record(name, ms, ts, scan, given, graph, settings, targets_info,
                          ["transformerlens"] + (["nnsight"] if nnsight else []), summary)
     (case_dir / "case.json").write_text(json.dumps(case, indent=2) + "\n")
-    C.free(tl)
+    del tl
+    C.collect()
     nn_info = backends.get("nnsight", {})
     print(f"{name}: n={n} active={len(act)} sel={len(graph.selected_features)} logits={len(graph.logit_targets)} "
           f"N={graph.adjacency_matrix.shape[0]} pruned={summary['n_pruned_nodes']} dup_ids={summary['json_duplicate_node_ids']} "

@@ -123,19 +123,22 @@ def main():
         result["n_prompts_active_features"] = actives
     if args.nnsight:
         nn_model = C.load_nnsight(case_dir / "model", C.load_transcoders(case_dir / "transcoders", scan))
-        timed(nn_model, best_bs, given)
+        _, g_nn, _ = timed(nn_model, best_bs, given)
         result["nnsight_seconds_at_best_batch_size"] = min(timed(nn_model, best_bs, given)[0]
                                                             for _ in range(args.repeats))
-        C.free(nn_model)
+        result["nnsight_vs_transformerlens"] = C.compare_graphs(graph, g_nn)
+        del nn_model
+        C.collect()
 
     settings["batch_size"] = best_bs
     summary = C.write_case_outputs(case_dir, NAME, graph, tgt, settings,
-                                   {"logits_last_hf": hf_logits}, None)
+                                   {"logits_last_hf": hf_logits, **C.tl_internals(tl, graph.input_tokens)}, None)
     case = C.case_record(NAME, ms, ts, scan, given, graph, settings, {"kind": "salient"}, ["transformerlens"],
                          summary, script="scripts/circuit_tracer/time_attribution.py")
     case["benchmark"] = {"prompts_given": all_prompts, "timing": result}
     (case_dir / "case.json").write_text(json.dumps(case, indent=2) + "\n")
-    C.free(tl)
+    del tl
+    C.collect()
     print(json.dumps(result, indent=2))
 
 
