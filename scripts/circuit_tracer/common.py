@@ -244,6 +244,7 @@ class TranscoderSpec:
     seed: int = 1
     enc_bias: float | None = None  # ReLU: mean b_enc; JumpReLU: mean b_enc (threshold ~0.9)
     dec_std: float = 0.3
+    enc_scale: float = 1.0  # W_enc ~ enc_scale * N(0, 1/d)
     force_layer0: int = 0  # make layer-0 features 0..force_layer0-1 always active (JSON id collision case)
 
 
@@ -258,7 +259,7 @@ def random_transcoder_params(spec: TranscoderSpec, n_layers: int, d: int):
     layers = []
     for l in range(n_layers):
         p = {
-            "W_enc": torch.randn(F, d, generator=g) / math.sqrt(d),
+            "W_enc": spec.enc_scale * torch.randn(F, d, generator=g) / math.sqrt(d),
             "b_enc": b0 + 0.2 * torch.randn(F, generator=g),
             "b_dec": 0.1 * torch.randn(d, generator=g),
         }

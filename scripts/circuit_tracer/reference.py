@@ -62,6 +62,12 @@ def case_list():
         "llama_plt_relu_collision": dict(model=llama(), tc=tc("plt", "relu", False, force_layer0=3)),
         "gemma2_plt_jumprelu": dict(model=gemma(), tc=tc("plt", "jump_relu", False, hooks=GEMMA2_HOOKS)),
         "gemma2_clt_relu": dict(model=gemma(), tc=tc("clt", "relu", False, hooks=GEMMA2_HOOKS, width=24)),
+        # other hook pairs circuit-tracer accepts: the residual before ln2 (the default of its CLT class) and, on
+        # Gemma-2, the MLP input with the (1 + w) gain (TransformerLens backend only: nnsight maps it for Gemma-3)
+        "llama_clt_relu_resid_mid": dict(model=llama(), tc=tc("clt", "relu", False, width=24,
+                                                               hooks=("hook_resid_mid", "hook_mlp_out"))),
+        "gemma2_plt_relu_mlp_hook_in": dict(model=gemma(), tc=tc("plt", "relu", False,
+                                                                 hooks=("mlp.hook_in", "hook_mlp_out"))),
     }
 
 
