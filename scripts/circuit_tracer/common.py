@@ -137,52 +137,36 @@ def tl_config(model_dir: Path, hf_cfg):
 
     arch = hf_cfg.architectures[0]
     n_kv = hf_cfg.num_key_value_heads if hf_cfg.num_key_value_heads != hf_cfg.num_attention_heads else None
+    d = dict(  # the keys both of TL's dicts share
+        d_model=hf_cfg.hidden_size,
+        n_heads=hf_cfg.num_attention_heads,
+        d_mlp=hf_cfg.intermediate_size,
+        n_layers=hf_cfg.num_hidden_layers,
+        n_ctx=hf_cfg.max_position_embeddings,
+        eps=hf_cfg.rms_norm_eps,
+        d_vocab=hf_cfg.vocab_size,
+        n_key_value_heads=n_kv,
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        rotary_base=hf_cfg.rope_theta,
+        final_rms=True,
+        gated_mlp=True,
+    )
     if arch == "LlamaForCausalLM":
         d_head = hf_cfg.hidden_size // hf_cfg.num_attention_heads
-        d = dict(
-            d_model=hf_cfg.hidden_size,
-            d_head=d_head,
-            n_heads=hf_cfg.num_attention_heads,
-            d_mlp=hf_cfg.intermediate_size,
-            n_layers=hf_cfg.num_hidden_layers,
-            n_ctx=hf_cfg.max_position_embeddings,
-            eps=hf_cfg.rms_norm_eps,
-            d_vocab=hf_cfg.vocab_size,
-            act_fn=hf_cfg.hidden_act,
-            n_key_value_heads=n_kv,
-            normalization_type="RMS",
-            positional_embedding_type="rotary",
-            rotary_adjacent_pairs=False,
-            rotary_dim=d_head,
-            rotary_base=hf_cfg.rope_theta,
-            final_rms=True,
-            gated_mlp=True,
-        )
+        d.update(d_head=d_head, act_fn=hf_cfg.hidden_act, rotary_adjacent_pairs=False, rotary_dim=d_head)
     elif arch == "Gemma2ForCausalLM":
-        d = dict(
-            d_model=hf_cfg.hidden_size,
+        d.update(
             d_head=hf_cfg.head_dim,
-            n_heads=hf_cfg.num_attention_heads,
-            d_mlp=hf_cfg.intermediate_size,
-            n_layers=hf_cfg.num_hidden_layers,
-            n_ctx=hf_cfg.max_position_embeddings,
-            eps=hf_cfg.rms_norm_eps,
-            d_vocab=hf_cfg.vocab_size,
             act_fn="gelu_pytorch_tanh",
             initializer_range=0.02,
-            normalization_type="RMS",
-            rotary_base=hf_cfg.rope_theta,
-            positional_embedding_type="rotary",
             use_attn_scale=True,
             attn_scale=math.sqrt(hf_cfg.query_pre_attn_scalar),
-            n_key_value_heads=n_kv,
             window_size=hf_cfg.sliding_window,
             use_local_attn=True,
             attn_types=["local" if t == "sliding_attention" else "global" for t in hf_cfg.layer_types],
             attn_scores_soft_cap=hf_cfg.attn_logit_softcapping,
             output_logits_soft_cap=hf_cfg.final_logit_softcapping,
-            gated_mlp=True,
-            final_rms=True,
             use_normalization_before_and_after=True,
         )
     else:
