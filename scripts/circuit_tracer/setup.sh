@@ -16,7 +16,7 @@ fi
 PY="$VENV/bin/python"
 if [ ! -f "$VENV/.installed" ]; then
   "$PY" -m pip install -q torch==2.13.0
-  "$PY" -m pip install -q transformers==4.57.3 circuit-tracer==0.5.0 pyyaml safetensors tokenizers
+  "$PY" -m pip install -q transformers==4.57.3 circuit-tracer==0.5.0 transformer-lens==3.2.1 pyyaml safetensors tokenizers
   touch "$VENV/.installed"
 fi
 NN="$VENV/nnsight061"
