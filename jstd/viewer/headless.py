@@ -67,6 +67,8 @@ class Chromium:
         try:
             page = next(t for t in self.call("Target.getTargets")["targetInfos"] if t["type"] == "page")
             self.session = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
+            self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
+                      mobile=False)
             self.call("Page.enable")
             self.call("Runtime.enable")
         except BaseException:
