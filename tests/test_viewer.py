@@ -331,3 +331,59 @@ def test_large_graph_renders(browser, tmp_path):
           f"{len(graph['links'])} edges: rendered in {render_ms:.0f} ms (script start to first frame, headless "
           f"Chromium); pinning the target logit {pin_ms:.0f} ms; page {page_kb:.0f} KB besides the graph")
     assert dom_state(browser)["pinned"] == [target]
+
+
+# ---- figures: attention patterns and heatmaps in the same style
+
+def causal_probs(seed=0, layers=2, heads=3, n=7):
+    rng = np.random.default_rng(seed)
+    scores = np.where(np.tri(n, dtype=bool), rng.normal(0, 2, (layers, heads, n, n)), -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+def test_figures_check_their_inputs():
+    with pytest.raises(ValueError, match="query == key"):
+        viewer.attention_figure(np.zeros((2, 3, 4, 5)))
+    with pytest.raises(ValueError, match="one label per position"):
+        viewer.attention_figure(causal_probs(), labels=["a"] * 6)
+    with pytest.raises(ValueError, match="3 rows labels"):
+        viewer.grid_figure(np.zeros((2, 4)), rows=["a", "b", "c"])
+    with pytest.raises(ValueError, match="one string per cell"):
+        viewer.grid_figure(np.zeros((2, 4)), text=[["x"] * 4])
+    figure = viewer.grid_figure(np.array([[1.0, np.nan], [np.inf, 2.0]]))
+    assert figure["values"] == [[1.0, None], [None, 2.0]]                   # JSON has no NaN
+
+
+@needs_browser
+def test_figures_page_hover_and_pick(browser, tmp_path):
+    probs = causal_probs()
+    labels = [f"t{i}" for i in range(7)]
+    values = np.random.default_rng(1).normal(size=(3, 7))
+    values[2, 5] = np.nan
+    path = viewer.view_figures([viewer.attention_figure(probs, labels, layers=[4, 5]),
+                                viewer.grid_figure(values, [f"block {l}" for l in range(3)], labels, center=0.0,
+                                                   value_label="recovered")], tmp_path / "figures.html")
+    browser.open(path.resolve().as_uri())
+    browser.evaluate("new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)))")
+
+    def hover(section, i, j):
+        x, y, cell = browser.evaluate(f"""(() => {{ const c = document.querySelectorAll('section')[{section}]
+            .querySelector('canvas.main'); c.scrollIntoView({{block: 'center'}}); const r = c.getBoundingClientRect();
+            return [r.x, r.y, +c.dataset.cell]; }})()""")
+        browser.mouse(x + (j + 0.5) * cell, y + (i + 0.5) * cell)
+        return browser.evaluate(f"""(() => {{ const r = document.querySelectorAll('section')[{section}]
+            .querySelector('.readout'); return [r.textContent, r.dataset.value, r.dataset.cell]; }})()""")
+
+    assert browser.evaluate("document.querySelectorAll('.thumb').length") == 6
+    text, value, cell = hover(0, 5, 2)
+    assert cell == "5,2" and float(value) == pytest.approx(probs[0, 0, 5, 2], abs=1e-5)
+    assert text.startswith('block 4 head 0: query 5 "t5" -> key 2 "t2"')
+    x, y = browser.evaluate("""(() => { const r = document.querySelector('.thumb[data-block="1"][data-head="2"] canvas')
+        .getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()""")
+    browser.mouse(x, y, click=True)
+    text, value, _ = hover(0, 6, 3)
+    assert float(value) == pytest.approx(probs[1, 2, 6, 3], abs=1e-5) and text.startswith("block 5 head 2")
+    text, value, _ = hover(1, 1, 4)
+    assert float(value) == values[1, 4] and text.startswith("block 1, t4: recovered")
+    assert hover(1, 2, 5)[0].endswith("recovered n/a")
