@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 import warnings
 from argparse import Namespace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -387,3 +388,31 @@ def test_figures_page_hover_and_pick(browser, tmp_path):
     text, value, _ = hover(1, 1, 4)
     assert float(value) == values[1, 4] and text.startswith("block 1, t4: recovered")
     assert hover(1, 2, 5)[0].endswith("recovered n/a")
+
+
+# ---- graphs circuit-tracer wrote (its create_graph_files output, tests/data/circuit_tracer/<case>/graph.json)
+
+CIRCUIT_TRACER = sorted((Path(__file__).parent / "data" / "circuit_tracer").glob("*/graph.json"))
+
+
+@needs_browser
+@pytest.mark.skipif(not CIRCUIT_TRACER, reason="no circuit-tracer graphs in tests/data/circuit_tracer (the "
+                                               "reference data of issue 37)")
+def test_circuit_tracer_graphs_open(browser, tmp_path):
+    """Every reference graph circuit-tracer wrote opens: all its nodes and links drawn, the target logit's paths
+    pinned as computed here, and its id collisions (error 0_{l}_{p} = the layer-0 feature l at p) said."""
+    collided = 0
+    for path in CIRCUIT_TRACER:
+        graph = json.loads(path.read_text())
+        show(browser, tmp_path, graph, f"{path.parent.name}.html")
+        state = dom_state(browser)
+        assert (state["nodes"], state["edges"]) == (len(graph["nodes"]), len(graph["links"])), path
+        ids = [n["node_id"] for n in graph["nodes"]]
+        shared = {i for i in ids if ids.count(i) > 1}
+        assert bool(state["warnings"]) == bool(shared) and all(i in state["warnings"] for i in list(shared)[:3])
+        collided += bool(shared)
+        target = next(n["node_id"] for n in graph["nodes"] if n["is_target_logit"])
+        browser.mouse(*node_center(browser, target), click=True)
+        on, edges = paths_to_logits(graph, target, set(range(len(graph["links"]))))
+        assert set(dom_state(browser)["onPath"]) == edges and len(edges) > 0, path
+    print(f"\n{len(CIRCUIT_TRACER)} circuit-tracer graphs opened, {collided} with shared ids")
