@@ -317,6 +317,18 @@ def test_screenshot_is_not_blank(browser, tmp_path):
 
 
 @needs_browser
+def test_command_png(tmp_path, capsys):
+    from PIL import Image
+
+    src = tmp_path / "g.json"
+    src.write_text(json.dumps(random_dag()))
+    assert cli.main(["view", str(src), "--png", str(tmp_path / "g.png")]) == 0
+    assert "screenshot:" in capsys.readouterr().out
+    pixels = np.asarray(Image.open(tmp_path / "g.png").convert("RGB")).astype(int)
+    assert pixels.shape[:2] == (900, 1400) and (pixels.min(-1) < 200).mean() > 0.01
+
+
+@needs_browser
 def test_large_graph_renders(browser, tmp_path):
     graph, edges_before = pruned_large(edge_share=0.995)
     path = show(browser, tmp_path, graph, "large.html")
