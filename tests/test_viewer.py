@@ -62,6 +62,7 @@ def test_view_writes_beside_the_json_and_where_asked(tmp_path):
     (lambda g: g.pop("links"), "no 'links' list"),
     (lambda g: g["nodes"][3].pop("ctx_idx"), "node 3 has no 'ctx_idx'"),
     (lambda g: g["nodes"][2].update(ctx_idx=-1), "a position is an int >= 0"),
+    (lambda g: g["nodes"][7].update(layer="mlp"), "has layer 'mlp'; a feature's or an error's layer is a block number"),
     (lambda g: g["links"][5].update(target="7_7_7"), "link 5's target '7_7_7' is no node's node_id"),
     (lambda g: g["links"][0].update(weight=float("nan")), "a weight is a finite number"),
     (lambda g: g["links"][1].pop("weight"), "link 1 has no 'weight'"),

@@ -59,7 +59,8 @@ def load_graph(graph) -> tuple[dict, Path | None]:
 def check_graph(graph: dict, name: str = "the graph") -> None:
     """Raises GraphFileError where ``graph`` is not drawable: ``nodes`` and ``links`` lists, each node with
     ``node_id``, ``layer``, ``ctx_idx`` (an int >= 0) and ``feature_type``, each link with ``source`` and ``target``
-    naming nodes it has and a finite ``weight``. Warns (SharedIdWarning) where node ids repeat."""
+    naming nodes it has and a finite ``weight``; a feature's or error's ``layer`` a block number. Warns
+    (SharedIdWarning) where node ids repeat."""
     for key in ("nodes", "links"):
         if not isinstance(graph.get(key), list):
             raise GraphFileError(f"{name} has no {key!r} list: a graph JSON (circuit-tracer's frontend format) is "
@@ -69,6 +70,10 @@ def check_graph(graph: dict, name: str = "the graph") -> None:
         if missing:
             raise GraphFileError(f"{name}: node {i} has no {', '.join(map(repr, missing))} (every node has "
                                  f"{', '.join(NODE_FIELDS)})")
+        kind = str(node["feature_type"]).lower()
+        if node["layer"] != "E" and kind not in ("embedding", "logit") and not str(node["layer"]).isdigit():
+            raise GraphFileError(f"{name}: node {node['node_id']!r} ({node['feature_type']}) has layer "
+                                 f"{node['layer']!r}; a feature's or an error's layer is a block number")
         if not isinstance(node["ctx_idx"], int) or node["ctx_idx"] < 0:
             raise GraphFileError(f"{name}: node {node['node_id']!r} has ctx_idx {node['ctx_idx']!r}; a position is "
                                  "an int >= 0")

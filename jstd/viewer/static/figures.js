@@ -29,8 +29,8 @@
   };
   const DIVERGING = [[33, 102, 172], [247, 247, 247], [178, 24, 43]];
   function scale(values, center) {
-    const flat = values.flat(Infinity).filter((v) => v !== null && Number.isFinite(v));
-    const lo = Math.min(...flat, 0), hi = Math.max(...flat, 0);
+    let lo = 0, hi = 0;                                    // (no spread: a large heatmap has too many values)
+    for (const v of values.flat(Infinity)) if (v !== null && Number.isFinite(v)) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
     if (center === null || center === undefined) return (v) => mix(VIRIDIS, hi > lo ? (v - lo) / (hi - lo) : 0);
     const span = Math.max(hi - center, center - lo) || 1;
     return (v) => mix(DIVERGING, 0.5 + (v - center) / (2 * span));

@@ -67,12 +67,12 @@
   // scrolls where a crowded cell or many rows need more room than it has
   const isLayer = (n) => n.kind === "feature" || n.kind === "error";
   const layerNumbers = nodes.filter(isLayer).map((n) => Number(n.layer)).filter(Number.isFinite);
-  const topLayer = layerNumbers.length ? Math.max(...layerNumbers) : -1;
+  const topLayer = layerNumbers.reduce((a, b) => Math.max(a, b), -1);
   const rows = ["E"];
   for (let l = 0; l <= topLayer; l++) rows.push(String(l));
   rows.push("logits");
   const rowOf = (n) => n.kind === "embedding" ? 0 : n.kind === "logit" ? rows.length - 1 : 1 + Number(n.layer);
-  const positions = Math.max(tokens.length, ...nodes.map((n) => Number(n.ctx_idx) + 1), 1);
+  const positions = nodes.reduce((m, n) => Math.max(m, Number(n.ctx_idx) + 1), Math.max(tokens.length, 1));
   const cells = new Map();
   for (const n of nodes) {
     const key = rowOf(n) + "," + n.ctx_idx;
@@ -84,7 +84,8 @@
   for (const [key, cell] of cells) {
     const p = Number(key.split(",")[1]);
     crowd[p] = Math.max(crowd[p], cell.length);
-    cell.sort((a, b) => order[a.kind] - order[b.kind] || Number(a.feature) - Number(b.feature));
+    cell.sort((a, b) => order[a.kind] - order[b.kind] || (b.token_prob || 0) - (a.token_prob || 0)
+      || Number(a.feature) - Number(b.feature));                  // logits by probability, features by index
   }
   const importance = (n) => {
     if (n.kind === "logit") return Number(n.token_prob) || 0;
