@@ -6,7 +6,6 @@ screenshot. Used by the viewer's tests and by ``jstd view --png``."""
 from __future__ import annotations
 
 import base64
-import fcntl
 import json
 import os
 import select
@@ -38,6 +37,8 @@ class Chromium:
     browser and removes its profile). Raises FileNotFoundError when no Chromium is installed (``find_chromium``)."""
 
     def __init__(self, executable: str | None = None, width: int = 1400, height: int = 900, timeout: float = 60.0):
+        import fcntl  # POSIX only: imported here so that importing jstd works where there is none
+
         executable = executable or find_chromium()
         if not executable:
             raise FileNotFoundError(f"no Chromium found: {INSTALL}")
