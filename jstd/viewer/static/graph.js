@@ -92,7 +92,7 @@
     if (typeof n.influence === "number") return Math.min(1, Math.max(0, 1 - n.influence));  // cumulative: small = important
     return 0.5;
   };
-  const LEFT = 62, RIGHT = 12, TOP = 14, BOTTOM = 44, MIN_GAP = 8, MAX_GAP = 18;
+  const LEFT = 62, RIGHT = 12, TOP = 58, BOTTOM = 44, MIN_GAP = 8, MAX_GAP = 18;   // TOP: the logits' labels
   let colX, colWidth, rowY, width, height;
   function layout() {
     const box = document.getElementById("canvas");
@@ -118,6 +118,23 @@
         n.r = Math.max(2, Math.min(3 + 5 * importance(n), gap / 2 - 0.5, rowH / 3));
       });
     }
+  }
+
+  // ---- the header first: the graph fills the room it leaves
+  const title = meta.prompt !== undefined ? meta.prompt : (meta.slug || "attribution graph");
+  document.getElementById("title").textContent = title;
+  document.title = (meta.slug ? meta.slug + ": " : "") + String(title).slice(0, 80);
+  const warnings = [];
+  if (shared.size) {
+    warnings.push(`${shared.size} node id${shared.size > 1 ? "s are" : " is"} given to more than one node ` +
+      `(${[...shared].slice(0, 3).join(", ")}${shared.size > 3 ? ", …" : ""}; circuit-tracer names an error node ` +
+      "0_{layer}_{position}, as it names the layer-0 feature of that index): the first node with the id takes its edges.");
+  }
+  if (dangling) warnings.push(`${dangling} link${dangling > 1 ? "s name" : " names"} a node the file does not have: not drawn.`);
+  if (warnings.length) {
+    const w = document.getElementById("warnings");
+    w.textContent = warnings.join(" ");
+    w.hidden = false;
   }
 
   // ---- drawing
@@ -173,6 +190,12 @@
       n.el.addEventListener("click", (e) => { e.stopPropagation(); pin(pinned === n ? null : n); });
     }
     nodeLayer.appendChild(nodeFrag);
+    const logitLabels = el("g", {id: "logit-labels"}, svg);     // each logit's token, slanted above it
+    for (const n of nodes.filter((m) => m.kind === "logit")) {
+      const word = logitToken(n);
+      const t = el("text", {class: "logit-label", transform: `translate(${n.x + 3},${n.y - n.r - 4}) rotate(-50)`}, logitLabels);
+      t.textContent = word.length > 12 ? word.slice(0, 11) + "…" : word;
+    }
   }
   draw();
   svg.addEventListener("click", () => pin(null));
@@ -182,22 +205,6 @@
     clearTimeout(resizing);
     resizing = setTimeout(() => { draw(); threshold(); }, 100);
   });
-
-  const title = meta.prompt !== undefined ? meta.prompt : (meta.slug || "attribution graph");
-  document.getElementById("title").textContent = title;
-  document.title = (meta.slug ? meta.slug + ": " : "") + String(title).slice(0, 80);
-  const warnings = [];
-  if (shared.size) {
-    warnings.push(`${shared.size} node id${shared.size > 1 ? "s are" : " is"} given to more than one node ` +
-      `(${[...shared].slice(0, 3).join(", ")}${shared.size > 3 ? ", …" : ""}; circuit-tracer names an error node ` +
-      "0_{layer}_{position}, as it names the layer-0 feature of that index): the first node with the id takes its edges.");
-  }
-  if (dangling) warnings.push(`${dangling} link${dangling > 1 ? "s name" : " names"} a node the file does not have: not drawn.`);
-  if (warnings.length) {
-    const w = document.getElementById("warnings");
-    w.textContent = warnings.join(" ");
-    w.hidden = false;
-  }
 
   // ---- details: the hovered node, else the pinned one
   const details = document.getElementById("details");
