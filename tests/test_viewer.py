@@ -286,6 +286,26 @@ def test_slider_hides_the_edges_under_its_threshold(browser, tmp_path):
 
 
 @needs_browser
+def test_resize_redraws_and_keeps_the_state(browser, tmp_path):
+    graph = random_dag()
+    show(browser, tmp_path, graph)
+    browser.evaluate("(() => { const i = document.getElementById('threshold'); i.value = '0.3'; "
+                     "i.dispatchEvent(new Event('input')); })()")
+    target = next(n["node_id"] for n in graph["nodes"] if n["is_target_logit"])
+    browser.mouse(*node_center(browser, target), click=True)
+    before = dom_state(browser)
+    size = "[+document.getElementById('graph').getAttribute('width'), document.getElementById('canvas').clientWidth]"
+    try:
+        browser.call("Emulation.setDeviceMetricsOverride", width=900, height=640, deviceScaleFactor=1, mobile=False)
+        browser.evaluate("new Promise(r => setTimeout(r, 400))")              # the page redraws 100 ms after
+        width, room = browser.evaluate(size)
+        assert dom_state(browser) == before and width == pytest.approx(room, abs=1)  # refit, same state
+    finally:
+        browser.call("Emulation.setDeviceMetricsOverride", width=1400, height=900, deviceScaleFactor=1, mobile=False)
+        browser.evaluate("new Promise(r => setTimeout(r, 400))")
+
+
+@needs_browser
 def test_shared_ids_draw_both_nodes_and_say_so(browser, tmp_path):
     graph, shared = collided()
     show(browser, tmp_path, graph)
