@@ -29,6 +29,7 @@ from jstd.core.sites import SITES, Site, SiteError
 from jstd.collect import ActivationDataset, SparseRows, collect
 from jstd import sae  # noqa: F401 (jstd.sae: sparse autoencoders and transcoders)
 from jstd.sae import splice
+from jstd.viewer import view
 __all__ = [
     "ConfigWarning", "token_strings",
     "load", "load_processor", "run", "Inputs", "Outputs", "project_on_vocab", "Context",
@@ -36,6 +37,7 @@ __all__ = [
     "generate", "Generation", "Sampling", "generation_config",
     "collect", "ActivationDataset", "SparseRows",
     "sae", "splice",
+    "view",
     "Edit", "Set", "Add", "Scale", "Zero", "Apply",
     "SITES", "Site", "SiteError", "CheckpointError", "logical_axes", "shard",
     # interventions

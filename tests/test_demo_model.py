@@ -1,6 +1,8 @@
 """The shipped induction model (jstd/assets/induction-llama): it loads, copies, its circuit is where the scores say;
 the plots draw; `jstd demo` runs and writes its figures."""
 
+import json
+import re
 import sys
 
 import jax
@@ -100,10 +102,14 @@ def test_plots_name_the_extra_when_matplotlib_is_missing(monkeypatch):
 
 
 def test_demo_runs_and_writes_figures(tmp_path, capsys):
-    main(["demo", "--figures", str(tmp_path / "figs")])
+    main(["demo", "--figures", str(tmp_path / "figs"), "--html", str(tmp_path / "demo.html")])
     out = capsys.readouterr().out
     assert "top-1 accuracy on the second copy" in out and "<- induction head" in out and "(the same head)" in out
     assert "jstd.patch_sweep" in out and "steering" in out
     assert "top next tokens" in out and "max |diff| 0.00e+00" in out  # (the one run of `jstd demo` in the suite)
     if "figures: skipped" not in out:
         assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["attention.png", "logit_lens.png", "patching.png"]
+    page = (tmp_path / "demo.html").read_text()           # the same figures as a page (tests/test_viewer.py opens one)
+    data = json.loads(re.search(r'id="page-data">(.*?)</script>', page, re.S).group(1))
+    assert [f["kind"] for f in data["figures"]] == ["attention", "grid", "grid"] and "interactive figures" in out
+    assert np.shape(data["figures"][0]["probs"]) == (2, 4, 49, 49) and np.shape(data["figures"][1]["values"]) == (2, 49)

@@ -4,7 +4,7 @@ jstd imports only where they defer a third-party package.
 
 The layers, bottom to top (docs/architecture.md draws them):
 
-    kernels → core → nn → models → {vision, run, sharding} → families → io → {generate, collect, interventions, sae} → aot →
+    kernels → core → nn → models → {vision, run, sharding} → families → {io, viewer} → {generate, collect, interventions, sae} → aot →
     jstd (the face) → cli
 
 A part may import its own modules and any part of a lower layer; parts of one layer do not import each other,
@@ -27,7 +27,7 @@ LAYERS = (
     ("jstd.models",),  # the text families' declarations (and Family, what a declaration is)
     ("jstd.vision", "jstd.run", "jstd.sharding"),
     ("jstd.families",),
-    ("jstd.io",),
+    ("jstd.io", "jstd.viewer"),  # files in and out: models; pages (the viewer imports nothing else of jstd)
     ("jstd.generate", "jstd.collect", "jstd.interventions", "jstd.sae"),
     ("jstd.aot",),  # compiles the tools' programs for TPU slices and GPUs; imported by the CLI, not the face
     ("jstd",),

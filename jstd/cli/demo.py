@@ -1,5 +1,5 @@
 """``jstd demo``: induction on the embedded trained model — copying, the heads found by score, a head ablation, a
-patching sweep, steering, the logit lens, figures."""
+patching sweep, steering, the logit lens, figures (PNG; with ``--html``, an interactive page)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jstd
+from jstd import viewer
 
 ASSET = Path(__file__).parent.parent / "assets" / "tiny-llama"
 INDUCTION = Path(__file__).parent.parent / "assets" / "induction-llama"
@@ -284,9 +285,35 @@ def draw_figures(s: Session, folder: Path, probs, heads: Heads, recovered, q: in
     print(f"\nfigures in {folder.resolve()}: attention.png, patching.png, logit_lens.png")
 
 
-def demo(path=INDUCTION, prompt=None, figures="jstd-demo-figures", period: int = 24, rows: int = 32, seed: int = 0):
+def write_html(s: Session, page, probs, heads: Heads, recovered, q: int, lens) -> None:
+    """Writes the demo's figures of clean row 0 as one interactive page (``jstd.viewer``: hover for values): the
+    attention patterns of every block and head, the patching sweep, the logit lens's top token on the second
+    copy."""
+    labels = [s.fmt([t]) for t in s.clean[0]]
+    second = np.arange(s.clean.shape[1] - s.period, s.clean.shape[1] - 1)
+    top = np.asarray(jax.nn.softmax(jnp.asarray(lens[:, second], jnp.float32), -1))
+    best = top.argmax(-1)
+    (pl, ph) = heads.lag_head
+    figures = [
+        viewer.attention_figure(np.asarray(probs[:, 0]), labels, title=f"attention on repeated words (lag-{heads.lag} "
+                                f"head {pl}.{ph}, induction heads " + ", ".join(f"{l}.{h}" for l, h in heads.induction)
+                                + ")"),
+        viewer.grid_figure(recovered, [f"block {l}" for l in range(s.layers)], labels, center=0.0,
+                           title=f"patching layer_output: p(correct word) at position {q}",
+                           value_label="fraction recovered"),
+        viewer.grid_figure(top.max(-1), [f"block {l}" for l in range(s.layers)], [labels[p] for p in second],
+                           title="logit lens on the second copy: the top token's probability",
+                           value_label="p(top token)", text=[[s.fmt([t]) for t in row] for row in best]),
+    ]
+    out = viewer.view_figures(figures, page, title="jstd demo: induction on the embedded model")
+    print(f"\ninteractive figures: {out.resolve()} (one HTML file; hover for values)")
+
+
+def demo(path=INDUCTION, prompt=None, figures="jstd-demo-figures", period: int = 24, rows: int = 32, seed: int = 0,
+         html=None):
     """Induction on the embedded trained model: copying, the heads found by score, ablation, patching, steering, the
-    logit lens, and (``figures``: a folder, or falsy for none) figures; prints each section in that order."""
+    logit lens, and (``figures``: a folder, or falsy for none) figures, and (``html``: a path, or None) the same
+    figures as an interactive page; prints each section in that order."""
     t0 = time.time()
     s = open_session(path, period, rows, seed)
     show_prompt(s, prompt or (DEMO_PROMPT if Path(str(path)) == INDUCTION else "The capital of France is"))
@@ -298,6 +325,8 @@ def demo(path=INDUCTION, prompt=None, figures="jstd-demo-figures", period: int =
     lens = show_logit_lens(s)
     if figures:
         draw_figures(s, Path(figures), probs, heads, recovered, q, lens)
+    if html:
+        write_html(s, html, probs, heads, recovered, q, lens)
     print(f"\ndone in {time.time() - t0:.1f} s")
 
 
@@ -309,8 +338,10 @@ def add_arguments(subparsers) -> None:
     d.add_argument("--prompt", default=None, help="text the model sees twice (default: a sentence of its words)")
     d.add_argument("--figures", default="jstd-demo-figures", metavar="DIR",
                    help="folder for the PNG figures (default: ./jstd-demo-figures; '' for none)")
+    d.add_argument("--html", nargs="?", const="jstd-demo.html", default=None, metavar="PAGE",
+                   help="also write the figures as one interactive HTML page (default PAGE: ./jstd-demo.html)")
 
 
 def command(args) -> int:
-    demo(args.model, args.prompt, args.figures)
+    demo(args.model, args.prompt, args.figures, html=args.html)
     return 0
