@@ -64,3 +64,12 @@ def test_only_the_known_noise_is_dropped():
     assert lines[1:] == noise.splitlines()  # a block that raised: everything written back
     with without_noise():  # usable in-process too
         pass
+
+
+@pytest.mark.skipif(accelerator_present(), reason="this machine has an accelerator: its runtimes are meant to start")
+def test_jax_imported_first_still_starts_on_the_cpu_without_libtpu():
+    done = run_python("import jax\nimport jstd\nimport jax.numpy as jnp\nprint(jax.default_backend(), "
+                      "float(jnp.ones(2).sum()))")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["cpu", "2.0"]
+    assert "INVALID_ARGUMENT" not in done.stderr and "Unable to load CUDA" not in done.stderr, done.stderr

@@ -13,8 +13,9 @@ anything imports JAX, does two things, only when ``JAX_PLATFORMS`` is unset and 
   still registers: ``jstd aot`` compiles for TPU and GPU targets without devices). Every other line written to
   the process's stderr meanwhile is written back unchanged, and nothing is dropped when the import fails.
 
-A user's ``JAX_PLATFORMS`` (any value) is kept as is, and nothing changes on a machine with a device or when JAX
-was imported before jstd.
+A user's ``JAX_PLATFORMS`` (any value) is kept as is, and nothing changes on a machine with a device. When JAX was
+imported before jstd, its import has already printed the stub's lines; if no backend has started yet (and no
+platform was chosen), JAX is still set to the CPU, so libtpu and the CUDA client stay silent.
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ def without_noise():
 def quiet_start() -> bool:
     """Start JAX quietly when no accelerator is present (see the module's docstring); returns whether it did.
     Call before anything imports JAX."""
-    if "jax" in sys.modules or "JAX_PLATFORMS" in os.environ or accelerator_present():
+    if "JAX_PLATFORMS" in os.environ or accelerator_present():
         return False
+    if "jax" in sys.modules:  # imported first: its import spoke already, but no backend need start yet
+        return _cpu_if_not_started(sys.modules["jax"])
     os.environ["JAX_PLATFORMS"] = "cpu"
     with without_noise():
         import jax  # noqa: F401 (loads jaxlib's GPU kernels from the CUDA plugin: the stub's lines)
@@ -103,3 +106,13 @@ def quietly(fn):
             return fn(*args, **kwargs)
     run.__wrapped__ = fn
     return run
+
+
+def _cpu_if_not_started(jax) -> bool:
+    """``jax_platforms`` set to cpu when JAX has no platform chosen and no backend started; whether it was."""
+    from jax._src import xla_bridge  # noqa: PLC0415 (JAX's own record of started backends; absent: leave JAX be)
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    if started is None or started() or jax.config.jax_platforms:
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
