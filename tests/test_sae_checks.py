@@ -162,13 +162,17 @@ def test_config_and_dtype_errors_name_the_problem(tmp_path):
         load_sae(folder)
 
 
-@pytest.mark.parametrize("architecture", ["standard", "jumprelu"])
-def test_apply_b_dec_to_input_false_is_read_as_saelens_reads_it(tmp_path, architecture):
+@pytest.mark.parametrize("architecture,setting", [
+    ("standard", dict(apply_b_dec_to_input=False)), ("jumprelu", dict(apply_b_dec_to_input=False)),
+    ("topk", dict(rescale_acts_by_decoder_norm=True)),
+])
+def test_non_default_settings_are_read_as_saelens_reads_them(tmp_path, architecture, setting):
     """A value that is not the architecture's default: jstd's latents and output are SAELens' own."""
-    sae = random_sae(3, 16, architecture=architecture, apply_b_dec_to_input=False)
+    sae = random_sae(3, 16, architecture=architecture, k=5 if architecture == "topk" else None)
+    sae = eqx_replace(sae, **setting)
     folder = save_sae(sae, tmp_path / "sae")
     back = load_sae(folder)
-    assert back.apply_b_dec_to_input is False
+    assert all(getattr(back, key) == value for key, value in setting.items())
     x = np.random.default_rng(2).normal(size=(3, 5, 16)).astype(np.float32) * 3
     latents, out = saelens(folder, x)
     assert (latents > 0).any() and (latents == 0).any()
