@@ -7,6 +7,7 @@ exactly at a JumpReLU threshold give SAELens' own values."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,19 +21,7 @@ import jstd
 from jstd.sae import SAE, init, load_sae, save_sae, splice, stack
 from jstd.sae.features import dense_latents, feature_patch_sweep, steer_feature
 from jstd.sae.train import train
-
-TINY = Path(jstd.__file__).parent / "assets" / "tiny-llama"
-SITE = "layers.layer_output"
-
-
-@pytest.fixture(scope="module")
-def model():
-    return jstd.load(TINY)
-
-
-@pytest.fixture(scope="module")
-def tokens():
-    return jnp.asarray(np.random.default_rng(0).integers(3, 90, (2, 7)), jnp.int32)
+from test_sae import SITE, model, tokens  # noqa: F401 (the tiny model and its tokens, as fixtures)
 
 
 def random_sae(seed, d_in, d_sae=48, architecture="standard", **kw) -> SAE:
@@ -43,9 +32,8 @@ def random_sae(seed, d_in, d_sae=48, architecture="standard", **kw) -> SAE:
                        W_dec=sae.W_dec * 5, b_dec=0.1 * jax.random.normal(k2, sae.b_dec.shape), threshold=threshold)
 
 
-def eqx_replace(sae: SAE, **arrays) -> SAE:
-    import dataclasses
-    return dataclasses.replace(sae, **arrays)
+def eqx_replace(sae: SAE, **fields) -> SAE:
+    return dataclasses.replace(sae, **fields)
 
 
 def saelens(folder: Path, x: np.ndarray):
