@@ -5,8 +5,8 @@ prints the CUDA stub's "Could not find cuda drivers" lines (once per plugin libr
 JAX starts tries libtpu (``INVALID_ARGUMENT: unexpected worker hostname``) and the CUDA plugin (a version-check
 traceback). A first-time user reads them as failures. ``quiet_start``, called by ``jstd/__init__.py`` before
 anything imports JAX, does two things, only when ``JAX_PLATFORMS`` is unset and no accelerator device is present
-(no ``/dev/nvidia*``, ``/dev/kfd``, ``/dev/accel*`` or ``/dev/vfio/<n>``, no ``TPU_NAME`` /
-``TPU_ACCELERATOR_TYPE`` / ``CUDA_VISIBLE_DEVICES`` naming devices):
+(no ``/dev/nvidia*``, NVIDIA driver GPUs, ``/dev/dxg``, ``/dev/kfd``, ``/dev/accel*`` or ``/dev/vfio/<n>``, no
+``TPU_NAME`` / ``TPU_ACCELERATOR_TYPE`` / ``CUDA_VISIBLE_DEVICES`` / ``NVIDIA_VISIBLE_DEVICES`` naming devices):
 
 - sets ``JAX_PLATFORMS=cpu``, so JAX never starts a TPU or GPU client it cannot use;
 - drops the CUDA stub's known "no driver" lines while JAX and the CUDA plugin load their libraries (the plugin
@@ -34,7 +34,9 @@ NOISE = re.compile(
     r"|WARNING: Logging before InitGoogle\(\) is written to STDERR"
     r"|I\d{4} [\d:. ]+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, GPU will not be used\.")
 
-ACCELERATOR_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
+# erring towards "present": a machine wrongly taken for one without a device would run on its CPU
+ACCELERATOR_FILES = ("/dev/nvidia[0-9]*", "/proc/driver/nvidia/gpus/*", "/dev/dxg", "/dev/kfd", "/dev/accel[0-9]*",
+                     "/dev/vfio/[0-9]*")
 ACCELERATOR_ENV = ("TPU_NAME", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")
 CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 
@@ -46,7 +48,8 @@ def accelerator_present() -> bool:
     if any(os.environ.get(name) for name in ACCELERATOR_ENV):
         return True
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return visible not in (None, "", "-1")
+    container = os.environ.get("NVIDIA_VISIBLE_DEVICES")
+    return visible not in (None, "", "-1") or container not in (None, "", "void", "none")
 
 
 @contextmanager
