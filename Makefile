@@ -42,6 +42,7 @@ test: $(VENV)/.test
 
 docs: $(VENV)/.core
 	$(PY) -c 'from jstd.families import values_markdown; print(values_markdown(), end="")' > docs/values.md
+	$(PY) -c 'from jstd.families import families_markdown; print(families_markdown(), end="")' > docs/families.md
 
 bench: $(VENV)/.bench
 	for b in forward patching gated_delta olmo_hybrid qwen3_5 vision; do $(PY) benchmarks/$$b.py; done

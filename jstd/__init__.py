@@ -4,7 +4,11 @@
     out = jax.jit(jstd.run, static_argnames="reads")(model, tokens, edits, reads=("layers.layer_output",))
 """
 
-from jstd.interventions import (
+from jstd.core.startup import quiet_start
+
+quiet_start()  # before anything imports JAX: on a machine without an accelerator, JAX starts on the CPU, quietly
+
+from jstd.interventions import (  # noqa: E402 (every import after the quiet start)
     LogitAttribution, TokenizationError, TopK, attribution_patching, contrastive_vector,
     direct_logit_attribution, get_first_tokens, kl_divergence, logit_difference, logit_lens, mean_ablation,
     next_token_probs, optimize, patch, patch_sweep, resample_ablation, site_mean, steer, target_probability, top_k,

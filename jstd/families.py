@@ -4,6 +4,7 @@ refuses; which sites each serves (``docs/values.md``). The only module that know
 from __future__ import annotations
 
 from jstd.core.sites import SITES, Site
+from jstd.models.family import TextFamily
 from jstd.models.gemma import Gemma
 from jstd.models.gpt2 import GPT2
 from jstd.models.gpt_neox import GPTNeoX
@@ -34,6 +35,7 @@ from jstd.vision.llava_next import LlavaNext
 from jstd.vision.qwen2_vl import HyperCLOVAXVisionV2, Qwen2VL, QwenVisionTower
 from jstd.vision.qwen3_vl import Qwen3_5VL, Qwen3VisionTower, Qwen3VL
 from jstd.vision.towers import CLIPVision, SiglipVision
+from jstd.vision.wrapper import WrapperFamily
 from jstd.vision.qwen3_vl_moe import Qwen3_5MoeVL, Qwen3VLMoe
 
 FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwen3_5Text, Gemma, Olmo2, Qwen3, Phi3, SmolLM3,
@@ -112,3 +114,26 @@ def values_markdown(served: dict[str, tuple[str, ...]] | None = None) -> str:
     return "\n".join(lines)
 
 
+
+
+def families_markdown() -> str:
+    """docs/families.md: every ``model_type`` ``jstd.load`` serves, by kind (text model, image-text model, vision
+    tower alone), and the ones it refuses with the reason. Generated from ``FAMILIES`` and ``REFUSED``, so it cannot
+    drift; tests check the file is current and that no doc calls a served ``model_type`` refused."""
+    kinds = {"Text models": [], "Image-text models": [], "Vision towers, loaded alone": []}
+    for model_type, family in sorted(FAMILIES.items()):
+        kind = ("Text models" if issubclass(family, TextFamily) else
+                "Image-text models" if issubclass(family, WrapperFamily) else "Vision towers, loaded alone")
+        kinds[kind].append(f"| `{model_type}` | {family.__name__} (`{family.__module__}`) |")
+    lines = ["# Families", "", "Generated from `jstd/families.py` (`FAMILIES`, `REFUSED`) by `make docs`; do not edit by "
+             "hand. Every `model_type` below loads with `jstd.load` and its values match transformers (the tests "
+             "under `tests/` check each). What each serves: docs/values.md.", ""]
+    for kind, rows in kinds.items():
+        lines += [f"## {kind}", "", "| model_type | declaration |", "| --- | --- |", *rows, ""]
+    lines += ["## Refused", ""]
+    if REFUSED:
+        lines += ["| model_type | why |", "| --- | --- |",
+                  *(f"| `{t}` | {why} |" for t, why in sorted(REFUSED.items())), ""]
+    else:
+        lines += ["None: a `model_type` not listed above is not supported yet (the loader lists these).", ""]
+    return "\n".join(lines)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from jstd.core.checks import checked
+from jstd.core.checks import checked, shown
 from jstd.core.sites import SiteError
 from jstd.kernels.attention import positions_and_mask
 
@@ -239,6 +239,7 @@ def check_context(model, context: Context, shape: tuple[int, int], attention_mas
             raise SiteError("token_embeddings is not computed on a run that starts from context.stream")
     elif context.block is not None:
         raise ValueError("context.block needs context.stream: the layer_input of that block at the tokens")
+    context = _checked_positions(model, context)
     if context.block is None:
         return context
     message = f"context.block must be one block index in [0, {c.num_layers}]"
@@ -247,3 +248,17 @@ def check_context(model, context: Context, shape: tuple[int, int], attention_mas
     block = checked(context.block, lambda xp, b: (b < 0) | (b > c.num_layers), message,
                     concrete=lambda b, _: f"{message}, got {context.block!r}")
     return context if block is context.block else eqx.tree_at(lambda x: x.block, context, block)
+
+
+def _checked_positions(model, context: Context) -> Context:
+    """``context`` with its positions checked: indices into the sequence (0 or more), and below a learned position
+    table's size (``model.position_limit``; a gather past it would read the last row, a negative one a row from
+    the end). ValueError when concrete; the compiled call fails when traced."""
+    limit = model.position_limit
+    top = "" if limit is None else f" .. {limit - 1}"
+    why = "" if limit is None else (f" (this {model.family} model's learned position table holds {limit} "
+                                    "positions: n_positions)")
+    message = f"context.positions must be positions in the sequence, 0{top}{why}"
+    bad = (lambda xp, p: p < 0) if limit is None else (lambda xp, p: (p < 0) | (p >= limit))
+    p = checked(context.positions, bad, message, concrete=lambda v, flags: f"{message}; got {shown(v[flags])}")
+    return context if p is context.positions else eqx.tree_at(lambda x: x.positions, context, p)

@@ -1,5 +1,5 @@
-"""What a generation may ask for, checked before anything compiles: ``max_new_tokens`` a positive int, and the
-buffers preallocated for the whole sequence (the cache's keys and values, each step's logits) within the free
+"""What a generation may ask for, checked before anything compiles: ``max_new_tokens`` a positive int, every
+position it runs inside a learned position table (GPT-2's ``n_positions``), and the buffers preallocated for the whole sequence (the cache's keys and values, each step's logits) within the free
 memory of the devices that hold the model."""
 
 from __future__ import annotations
@@ -15,6 +15,21 @@ def check_max_new_tokens(max_new_tokens) -> int:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int (static under jit), got {max_new_tokens!r}")
     return int(max_new_tokens)
+
+
+def check_positions(model, prompt: int, new: int) -> None:
+    """ValueError when the generation would run a token past the decoder's learned position table
+    (``model.position_limit``; a lookup there would read the table's last row): the prompt's tokens and every new
+    token but the last run, at positions ``0 .. prompt + new - 2`` (as transformers runs them)."""
+    limit = model.position_limit
+    if limit is None or prompt + new - 2 < limit:
+        return
+    most = limit + 1 - prompt
+    fix = (f"pass max_new_tokens={most} or fewer" if most >= 1
+           else f"shorten the prompt to at most {limit} tokens")
+    raise ValueError(f"generate: a prompt of {prompt} tokens and max_new_tokens={new} run positions up to "
+                     f"{prompt + new - 2}, past this {model.family} model's {limit} learned positions (n_positions: "
+                     f"positions 0..{limit - 1}); {fix}")
 
 
 def preallocated_bytes(model, batch: int, prompt: int, new: int) -> int:

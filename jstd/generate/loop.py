@@ -18,11 +18,11 @@ from jstd.core.edits import as_edits, check_left_padded, site_axes
 from jstd.core.inputs import Inputs, as_inputs, token_array, with_layout
 from jstd.core.jit import combine, partition
 from jstd.core.sites import SITES, SiteError, parse
-from jstd.generate.budget import check_fits, check_max_new_tokens
+from jstd.generate.budget import check_fits, check_max_new_tokens, check_positions
 from jstd.generate.cache import IMAGE_PREFIXES, decode, prefill, stepper
 from jstd.generate.sampling import Sampling, next_token
 from jstd.nn.model import Model
-from jstd.run import as_reads, check_sites
+from jstd.run import as_reads, check_sites, check_tokens
 
 
 class Generation(eqx.Module):
@@ -97,10 +97,12 @@ def generate(
     (``static_argnames``); everything else may be traced, and ``jax.vmap``
     over the edits' arrays (strengths, layers) runs a sweep in one call.
 
-    Raises ValueError for a bad ``max_new_tokens`` (one whose preallocated
+    Raises ValueError for a bad ``max_new_tokens`` (one that runs a position past a learned position table, one
+    whose preallocated
     cache and logits do not fit in the devices' free memory: before
     compiling, with the bytes it needs), a right-padded prompt, a prompt
-    without tokens, sampling without a key, EOS or pad ids outside the
+    without tokens, prompt token ids outside the vocabulary (before compiling;
+    traced ones fail the compiled call), sampling without a key, EOS or pad ids outside the
     vocabulary (a traced one fails the compiled call); SiteError for reads
     and edits generation cannot serve (and everything ``jstd.run`` raises).
     """
@@ -110,6 +112,9 @@ def generate(
     if model.decoder is None:
         raise ValueError(f"a {model.family} model is a vision tower: it has no tokens to generate")
     inputs = _prompt(inputs, attention_mask)
+    if model.config.vocab_size and not is_traced(inputs.tokens):  # before compiling (traced: the prefill's check)
+        check_tokens(inputs.tokens, model.config.vocab_size)
+    check_positions(model, np.shape(inputs.tokens)[1], max_new_tokens)
     check_fits(model, *np.shape(inputs.tokens), max_new_tokens)
     if sampling is not None and not isinstance(sampling, Sampling):
         raise TypeError(f"sampling must be None (greedy) or a jstd.Sampling, got {type(sampling).__name__}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -173,6 +174,24 @@ def untied_if_stored_apart(folder: Path, hf, family, files: SafetensorsFiles):
     return untied
 
 
+_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..*)$")  # a per-expert tensor: (prefix, expert, rest)
+
+
+def _experts_stored(missing: list[str], expected: set[str], keys) -> str:
+    """When a missing tensor is one expert's: how many experts the config asks for and the checkpoint stores, in
+    the spelling it stores them (else "")."""
+    found = next((m for m in map(_EXPERT.match, missing) if m), None)
+    if found is None:
+        return ""
+    head, _, tail = found.groups()
+    def experts(names):
+        return {int(m.group(2)) for m in map(_EXPERT.match, names) if m and m.group(1) == head and m.group(3) == tail}
+    stored, wanted = experts(keys), experts(expected)
+    return (f"; the config asks for {max(wanted) + 1} experts, the checkpoint stores {len(stored)} spelled "
+            f"{head}{{e}}{tail}: set the config's expert count (num_experts or num_local_experts) to what "
+            "the checkpoint holds")
+
+
 def mapped_entries(folder: Path, hf, family, skeleton, files: SafetensorsFiles) -> list:
     """The family's name map over ``skeleton``, keys spelled as ``files`` stores them (``stored_names``); raises
     CheckpointError naming a tensor the map expects that ``files`` lacks, or one it has that no entry reads and the
@@ -187,6 +206,7 @@ def mapped_entries(folder: Path, hf, family, skeleton, files: SafetensorsFiles) 
             f"{folder.name}: missing tensor {missing[0]!r}"
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
             + f" (the {family.family} name map expects it; files: {', '.join(sorted({files.where(k) for k in files.keys()}))})"
+            + _experts_stored(missing, expected, files.keys())
         )
     ignored = [stored(pattern) for pattern in family.ignored(hf)]
     extra = sorted(k for k in files.keys() - expected if not any(_matches(k, pat) for pat in ignored))

@@ -91,8 +91,20 @@ class TextFamily(Family):
     @classmethod
     def window(cls, hf, kind: str) -> int | None:
         """The sliding window of blocks of ``kind``: ``config.sliding_window`` on ``sliding_attention`` blocks,
-        None (full attention) on every other kind."""
-        return getattr(hf, "sliding_window", None) if kind == cls.SLIDING else None
+        None (full attention) on every other kind. ValueError when the blocks have one that is not a positive
+        int (a window of 0 or fewer keys would let every query see every key, later ones included)."""
+        return cls.sliding_window(hf) if kind == cls.SLIDING else None
+
+    @classmethod
+    def sliding_window(cls, hf) -> int | None:
+        """``config.sliding_window`` (None: none); ValueError unless it is None or a positive int."""
+        window = getattr(hf, "sliding_window", None)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"{hf.model_type}: config.json's sliding_window={window!r} is not a window: its "
+                             f"sliding_attention blocks need a positive number of keys; set sliding_window to the "
+                             "window the checkpoint was trained with (or null, where the family allows it, for "
+                             "full attention)")
+        return window
 
     @classmethod
     def block(cls, hf, c: ModelConfig, kind: str, dtype):

@@ -82,9 +82,13 @@ class GPT2LM(CausalLM):
     def sites(self) -> frozenset[str]:
         return super().sites | {"position_embeddings"}
 
+    @property
+    def position_limit(self) -> int:
+        return self.position_embed.shape[0]
+
     def check_inputs(self, inputs) -> None:
         super().check_inputs(inputs)
-        seq, most = inputs.tokens.shape[-1], self.position_embed.shape[0]
+        seq, most = inputs.tokens.shape[-1], self.position_limit
         if seq > most:
             raise ValueError(f"{seq} tokens are more than this {self.family} model's {most} learned positions "
                              f"(n_positions); pass at most {most} tokens a row")

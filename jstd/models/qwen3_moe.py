@@ -32,8 +32,11 @@ MOE_KEYS = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok",
 
 def has_experts(hf, i: int) -> bool:
     """Whether block ``i`` has the experts (transformers' rule for Qwen3-MoE and Qwen3-VL-MoE)."""
-    return (i not in (getattr(hf, "mlp_only_layers", None) or ()) and hf.num_experts > 0
-            and (i + 1) % getattr(hf, "decoder_sparse_step", 1) == 0)
+    step = getattr(hf, "decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"{hf.model_type}: config.json's decoder_sparse_step={step!r} must be a positive int (every "
+                         "decoder_sparse_step-th block has the experts; 1: every block); set it to the checkpoint's")
+    return (i not in (getattr(hf, "mlp_only_layers", None) or ()) and hf.num_experts > 0 and (i + 1) % step == 0)
 
 
 class Qwen3VLMoeText(Qwen3VLText):
@@ -48,7 +51,7 @@ class Qwen3VLMoeText(Qwen3VLText):
 
     @classmethod
     def window(cls, hf, kind: str) -> int | None:
-        return getattr(hf, "sliding_window", None) if kind.endswith(SLIDING) else None
+        return cls.sliding_window(hf) if kind.endswith(SLIDING) else None
 
     @classmethod
     def layer_types(cls, hf) -> tuple[str, ...]:

@@ -48,6 +48,14 @@ class Model(eqx.Module):
         ``CausalLM``, the model itself or a wrapper's text model; None where there is none (a vision tower alone)."""
         return None
 
+    @property
+    def position_limit(self) -> int | None:
+        """How many positions the decoder's learned position table holds (GPT-2's ``n_positions``): every token's
+        position must lie in ``0 .. position_limit - 1`` (a lookup past the table would clamp to its last row).
+        None: no table (a rotary's positions are unbounded)."""
+        decoder = self.decoder
+        return None if decoder is None or decoder is self else decoder.position_limit
+
     def forward(self, inputs, tap, context=None):
         """``(logits or None, reads)``: the recorded sites by whole name (block sites stacked as ``Stack`` says)."""
         raise NotImplementedError

@@ -56,15 +56,18 @@ class Entry:
 
 def spelled(entries: list[Entry], stored: Callable[[str], str], keys) -> list[Entry]:
     """Each entry as the checkpoint spells it: its first spelling (``Entry.spellings``) whose tensors are all among
-    ``keys`` for its first block, with every key respelled by ``stored`` (``io.hf.stored_names``); the entry itself
-    when none is complete (the loader then names what is missing)."""
+    ``keys`` for its first block, with every key respelled by ``stored`` (``io.hf.stored_names``). When none is
+    complete, the spelling with the most of its tensors stored (the entry itself when none has any): the loader
+    then names what is missing in the spelling the checkpoint uses."""
     keys = set(keys)
     out = []
     for e in entries:
         options = [dataclasses.replace(s, key=stored(s.key) if isinstance(s.key, str) else tuple(map(stored, s.key)))
                    for s in e.spellings()]
         first = e.blocks[0] if e.stacked and e.blocks else 0
-        out.append(next((s for s in options if all(k.format(i=first) in keys for k in s.keys)), options[0]))
+        found = [sum(k.format(i=first) in keys for k in s.keys) for s in options]
+        complete = [s for s, n in zip(options, found) if n == len(s.keys)]
+        out.append(complete[0] if complete else options[max(range(len(options)), key=lambda j: (found[j], -j))])
     return out
 
 

@@ -17,18 +17,23 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jstd.core.edits import Add, Set, Zero
+from jstd.core.checks import checked, shown
+from jstd.core.edits import Add, Set, Zero, check_index
 from jstd.core.sites import parse
 from jstd.run import run
 from jstd.sae.splice import FeatureEdit, Splice, sae_site
 
 
 def feature_mask(d_sae: int, features) -> Bool[Array, "d_sae"]:
-    """True at ``features`` (an int, ints — traced allowed — or a bool mask ``[d_sae]``) among ``d_sae`` latents."""
-    features = jnp.asarray(features)
+    """True at ``features`` (an int, ints — traced allowed — in ``-d_sae..d_sae-1``, negatives counting from the
+    end, or a bool mask ``[d_sae]``) among ``d_sae`` latents. SiteError for an index outside (an equinox runtime
+    error when traced) or a mask of another shape: a mask built from it would silently select nothing."""
+    features = check_index(features, d_sae, "features", "sae")
     if features.dtype == bool:
         return features
-    return (jnp.arange(d_sae)[:, None] == features.reshape(-1)[None, :]).any(-1)
+    features = features.reshape(-1)
+    features = jnp.where(features < 0, features + d_sae, features)
+    return (jnp.arange(d_sae)[:, None] == features[None, :]).any(-1)
 
 
 def _is_mask(features) -> bool:
@@ -99,11 +104,14 @@ def feature_patch_sweep(model, clean, corrupt, splices: Sequence, metric: Callab
                         layers: Sequence[int], features: Sequence[int] | Int[Array, "n"]
                         ) -> Float[Array, "layers features"]:
     """``metric`` of the corrupted run with one feature at one block set to its clean activation (every
-    position), for every (block in ``layers``, feature in ``features``): one compiled ``vmap`` over the pairs."""
+    position), for every (block in ``layers``, feature in ``features``): one compiled ``vmap`` over the pairs.
+    SiteError for a feature outside ``-d_sae..d_sae-1``, before compiling."""
     spliced = sae_site(site, "latents")
     d_sae = _d_sae(splices, site)
     lat_clean = run(model, clean, splices, reads=(spliced,))[spliced]
     layers = np.asarray(layers, np.int32)
+    if not isinstance(features, jax.core.Tracer):  # before compiling: an index outside would patch nothing
+        check_index(np.asarray(features), d_sae, "feature_patch_sweep: features", "sae")
     features = np.asarray(features, np.int32)
     rows = np.asarray([model.row_of(parse(site)[0], int(l)) for l in layers], np.int32)
     pair_layer, pair_feature = np.meshgrid(np.arange(len(layers)), features, indexing="ij")
@@ -125,7 +133,14 @@ def sparse_latents(latents: Float[Array, "... d_sae"], k: int) -> tuple[Int[Arra
 
 
 def dense_latents(indices: Int[Array, "... k"], values: Float[Array, "... k"], d_sae: int) -> Float[Array, "... d_sae"]:
-    """The rows ``sparse_latents`` stored, as ``[..., d_sae]``."""
+    """The rows ``sparse_latents`` stored, as ``[..., d_sae]``. ValueError for an index outside ``0..d_sae-1``
+    (the compiled call fails when traced): a scatter there would drop its value."""
+    indices = checked(indices, lambda xp, i: (i < 0) | (i >= d_sae),
+                      f"dense_latents: indices must lie in 0..{d_sae - 1} (d_sae={d_sae}); pass the d_sae the "
+                      "latents were stored with",
+                      concrete=lambda i, bad: f"dense_latents: index {shown(i[bad])} is outside 0..{d_sae - 1} "
+                                              f"(d_sae={d_sae}); pass the d_sae the latents were stored with")
+    indices = jnp.asarray(indices)
     flat_i, flat_v = indices.reshape(-1, indices.shape[-1]), values.reshape(-1, values.shape[-1])
     out = jnp.zeros((flat_i.shape[0], d_sae), values.dtype).at[jnp.arange(flat_i.shape[0])[:, None], flat_i].add(flat_v)
     return out.reshape(*indices.shape[:-1], d_sae)

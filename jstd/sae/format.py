@@ -78,22 +78,42 @@ def hook_name_of(site: str, layer: int | None) -> str:
 
 def load_sae(folder: str | os.PathLike, *, dtype=None) -> SAE:
     """The dictionary in an SAELens folder (``cfg.json`` + ``sae_weights.safetensors``), in its ``dtype`` (or
-    ``dtype=``). FileNotFoundError for a folder without them; ValueError for an architecture or setting jstd does
-    not support, or weights whose shapes do not fit the config."""
+    ``dtype=``, floating only). FileNotFoundError for a folder without them; ValueError for an architecture or
+    setting jstd does not support, a cfg.json that is not JSON or lacks d_in / d_sae, no architecture where the
+    tensors and fields leave several, stored tensors the architecture does not use, weights whose shapes do not
+    fit the config, or a dtype that is not floating."""
     folder = Path(folder)
     for name in (CFG, WEIGHTS):
         if not (folder / name).exists():
             raise FileNotFoundError(f"{folder} has no {name}: an SAELens dictionary folder holds {CFG} and {WEIGHTS}")
-    cfg = json.loads((folder / CFG).read_text())
-    architecture = architecture_name(cfg.get("architecture", "standard"))
+    if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"load_sae: dtype={jnp.dtype(dtype)} is not a floating dtype (the weights would be "
+                         "truncated); pass jnp.float32, jnp.bfloat16 or jnp.float16, or None for cfg.json's")
+    try:
+        cfg = json.loads((folder / CFG).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{folder / CFG} is not JSON ({e}); an SAELens dictionary's {CFG} is a JSON object of its "
+                         "settings") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{folder / CFG} holds a JSON {type(cfg).__name__}, not an object of settings")
+    for field in ("d_in", "d_sae"):
+        if not isinstance(cfg.get(field), int) or isinstance(cfg.get(field), bool):
+            raise ValueError(f"{folder / CFG}: the field {field!r} is "
+                             + ("missing" if field not in cfg else f"{cfg[field]!r}, not an int")
+                             + f"; SAELens' {CFG} gives the dictionary's sizes d_in and d_sae")
+    files = SafetensorsFiles(folder / WEIGHTS)
+    architecture = _architecture(folder, cfg, files.keys())
     if cfg.get("reshape_activations", "none") != "none":
         raise ValueError(f"{folder}: reshape_activations={cfg['reshape_activations']!r} (per-head hook_z "
                          "dictionaries) is not supported; jstd splices at sites of one row per position")
-    files = SafetensorsFiles(folder / WEIGHTS)
     want = ["W_enc", "b_enc", "W_dec", "b_dec"] + (["threshold"] if architecture.startswith("jumprelu") else [])
     missing = [k for k in want if k not in files.keys()]
     if missing:
         raise ValueError(f"{folder / WEIGHTS} lacks {', '.join(missing)} for a {architecture} dictionary")
+    unused = sorted(set(files.keys()) - set(want))
+    if unused:
+        raise ValueError(f"{folder / WEIGHTS} stores {', '.join(unused)}, which a {architecture} dictionary does "
+                         f"not use (it reads {', '.join(want)}); is cfg.json's architecture right?")
     kind = dtype or _DTYPES.get(str(cfg.get("dtype", "float32")).replace("torch.", ""), jnp.float32)
     arrays = {k: jnp.asarray(np.array(files.mapped(k, lazy=True)), kind) for k in want}
     d_in, d_sae = cfg.get("d_in"), cfg.get("d_sae")
@@ -116,6 +136,22 @@ def load_sae(folder: str | os.PathLike, *, dtype=None) -> SAE:
                hook_name=cfg.get("hook_name") or metadata.get("hook_name"),
                hook_name_out=cfg.get("hook_name_out") or metadata.get("hook_name_out"),
                extra=json.dumps(extra, sort_keys=True))
+
+
+def _architecture(folder: Path, cfg: dict, stored) -> str:
+    """cfg.json's ``architecture``; without one (SAELens' configs before it had the field), the one the stored
+    tensors and fields leave: ``standard`` (no ``threshold``) or ``jumprelu`` (a ``threshold``), when nothing
+    points to a TopK (``k``) or a transcoder (``d_out`` or ``hook_name_out``). ValueError otherwise, as SAELens
+    refuses the folder."""
+    if "architecture" in cfg:
+        return architecture_name(cfg["architecture"])
+    hints = [f for f in ("k", "d_out", "hook_name_out") if cfg.get(f) is not None
+             or (cfg.get("metadata") or {}).get(f) is not None]
+    if hints:
+        raise ValueError(f"{folder / CFG} has no 'architecture' and its fields ({', '.join(hints)}) point to a TopK "
+                         "dictionary or a transcoder; add \"architecture\" (standard, topk, jumprelu, transcoder, "
+                         "jumprelu_transcoder) to cfg.json")
+    return "jumprelu" if "threshold" in stored else "standard"
 
 
 def save_sae(sae: SAE, folder: str | os.PathLike) -> Path:

@@ -20,13 +20,15 @@ SAELens' layer norm (mean, unbiased std, eps 1e-5) and its inverse for
 reads one site (``d_in``) and writes another (``d_out``); its decode never
 undoes an input norm, as SAELens'.
 
-Several dictionaries of one architecture and shape stack into one (``stack``):
-every array gains a leading axis, ``sae[i]`` is one again; ``jstd.splice``
-takes a stacked one for several blocks.
+Several dictionaries of one architecture, settings and shape stack into one
+(``stack``): every array gains a leading axis, each keeps its own names
+(``hook_name``), ``sae[i]`` is one again; ``jstd.splice`` takes a stacked one
+for several blocks (its blocks from the names when no ``layer`` is given).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Sequence
 
@@ -71,9 +73,10 @@ class SAE(eqx.Module):
     apply_b_dec_to_input: bool = eqx.field(static=True, default=True)
     normalize_activations: str = eqx.field(static=True, default="none")
     rescale_acts_by_decoder_norm: bool = eqx.field(static=True, default=False)
-    hook_name: str | None = eqx.field(static=True, default=None)
-    hook_name_out: str | None = eqx.field(static=True, default=None)
-    extra: str = eqx.field(static=True, default="{}")
+    # on a stack (``stack``) of differently named dictionaries: a tuple, one per row
+    hook_name: str | tuple[str | None, ...] | None = eqx.field(static=True, default=None)
+    hook_name_out: str | tuple[str | None, ...] | None = eqx.field(static=True, default=None)
+    extra: str | tuple[str, ...] = eqx.field(static=True, default="{}")
 
     def __check_init__(self):
         architecture_name(self.architecture)
@@ -123,10 +126,17 @@ class SAE(eqx.Module):
         return self.W_enc.dtype
 
     def __getitem__(self, i) -> "SAE":
-        """Row ``i`` (an int or a traced int) of a stacked dictionary."""
+        """Row ``i`` (an int or a traced int) of a stacked dictionary; with a concrete ``i``, with that row's names
+        (``hook_name``, …) where the stack kept one per row."""
         if not self.stacked:
             raise IndexError("this dictionary is not stacked; index a jstd.sae.stack of several")
-        return jax.tree.map(lambda a: a[i], self)
+        row = jax.tree.map(lambda a: a[i], self)
+        per_row = {f: getattr(self, f) for f in ("hook_name", "hook_name_out", "extra")
+                   if isinstance(getattr(self, f), tuple)}
+        if not per_row or isinstance(i, jax.core.Tracer):
+            return row
+        index = int(i)
+        return dataclasses.replace(row, **{f: v[index] for f, v in per_row.items()})
 
     # ---- the forward -------------------------------------------------------------
     def _norm_in(self, x):
@@ -266,23 +276,50 @@ def init(key: jax.Array, d_in: int, d_sae: int, *, architecture: str = "standard
                hook_name=hook_name, hook_name_out=hook_name_out)
 
 
+# what the arithmetic reads: dictionaries stack only when these agree (the names and the kept config need not)
+SETTINGS = ("architecture", "k", "apply_b_dec_to_input", "normalize_activations", "rescale_acts_by_decoder_norm")
+NAMES = ("hook_name", "hook_name_out", "extra")
+
+
 def stack(saes: Sequence[SAE]) -> SAE:
-    """Dictionaries of one architecture, static settings and shapes stacked into one (a leading axis on every
-    array). ValueError naming the first that differs."""
+    """Dictionaries of one architecture, settings (``SETTINGS``) and array shapes and dtypes stacked into one (a
+    leading axis on every array). Their names may differ — one dictionary per block is named after its block
+    (``blocks.3.hook_resid_post``): ``hook_name``, ``hook_name_out`` and ``extra`` are kept per dictionary (a tuple
+    of one per row where they differ; ``sae[i]`` gives row ``i`` its own). ValueError naming the first field that
+    differs and both values."""
     saes = list(saes)
     if not saes:
         raise ValueError("stack needs at least one dictionary")
-    first = jax.tree.structure(saes[0])
+    if any(not isinstance(s, SAE) for s in saes):
+        raise TypeError("stack takes jstd.sae.SAE dictionaries")
+    if any(s.stacked for s in saes):
+        raise ValueError("stack takes single dictionaries; index a stacked one first (sae[i])")
+    base = saes[0]
+    arrays = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
     for i, s in enumerate(saes[1:], 1):
-        same = jax.tree.structure(s) == first and all(
-            a.shape == b.shape for a, b in zip(jax.tree.leaves(saes[0]), jax.tree.leaves(s)))
-        if not same:
-            raise ValueError(f"dictionary {i} differs from dictionary 0 in architecture, settings or shapes "
-                             f"({s.architecture} d_in={s.d_in} d_sae={s.d_sae} vs {saes[0].architecture} "
-                             f"d_in={saes[0].d_in} d_sae={saes[0].d_sae}); only equal ones stack")
-    return jax.tree.map(lambda *a: jnp.stack(a), *saes)
+        for field in SETTINGS:
+            if getattr(s, field) != getattr(base, field):
+                raise ValueError(f"dictionary {i} differs from dictionary 0 in {field}: {getattr(s, field)!r} vs "
+                                 f"{getattr(base, field)!r}; only dictionaries of one architecture, settings and "
+                                 "shape stack")
+        for field in arrays:
+            a, b = getattr(s, field), getattr(base, field)
+            got = None if a is None else (a.shape, str(a.dtype))
+            want = None if b is None else (b.shape, str(b.dtype))
+            if got != want:
+                raise ValueError(f"dictionary {i} differs from dictionary 0 in {field}: "
+                                 f"{'none' if got is None else f'shape {got[0]} {got[1]}'} vs "
+                                 f"{'none' if want is None else f'shape {want[0]} {want[1]}'}; only dictionaries of "
+                                 "one architecture, settings and shape stack")
+    names = {}
+    for field in NAMES:
+        values = tuple(getattr(s, field) for s in saes)
+        names[field] = values[0] if len(set(values)) == 1 else values
+    same = [dataclasses.replace(s, **{f: getattr(base, f) for f in NAMES}) for s in saes]
+    return dataclasses.replace(jax.tree.map(lambda *a: jnp.stack(a), *same), **names)
 
 
-def extra_of(sae: SAE) -> dict:
-    """The SAELens ``cfg.json`` fields the module does not model (kept when read, written back)."""
-    return json.loads(sae.extra)
+def extra_of(sae: SAE) -> dict | list[dict]:
+    """The SAELens ``cfg.json`` fields the module does not model (kept when read, written back); on a stack whose
+    rows kept their own, one dict per row."""
+    return [json.loads(e) for e in sae.extra] if isinstance(sae.extra, tuple) else json.loads(sae.extra)

@@ -182,6 +182,7 @@ class Splice(Edit):
             active = match.any()
             if sae.stacked:
                 sae = sae[jnp.argmax(match)]
+            x = self._edits_at_spliced_blocks(x, scope)
         if self.source is None:
             x_in = x
         else:
@@ -215,6 +216,27 @@ class Splice(Edit):
             if whole("reconstruction") in edited or whole("error") in edited:
                 out = read_recon + read_error
         return out if active is None else jnp.where(active, out, x)
+
+    def _edits_at_spliced_blocks(self, x: Array, scope) -> Array:
+        """``x``, after checking that every edit of this dictionary's values (latents, reconstruction, error) with a
+        ``layer`` names a block where it is spliced: elsewhere the edit would change nothing. SiteError now for a
+        concrete layer; a traced one fails the compiled call (through a zero scalar added to ``x``)."""
+        L = scope.tap.depths[SITES[self.site].stack]
+        for name in ("latents", "reconstruction", "error"):
+            for e in scope.tap.edits.get(scope.prefix + self._sub(name), ()):
+                if e.layer is None:
+                    continue
+                message = (f"{type(e).__name__} at {e.site}: no dictionary is spliced at that block of {self.site} "
+                           f"(spliced at blocks {list(self.layers)}); edit a spliced block or splice one at it "
+                           "(jstd.splice(model, sae, site, layer=...))")
+                if not isinstance(e.layer, jax.core.Tracer):
+                    if int(e.layer) % L not in self.layers:
+                        raise SiteError(f"{message}; got layer={int(e.layer)}")
+                    continue
+                target = jnp.where(e.layer < 0, e.layer + L, e.layer)
+                bad = (target == scope.layer) & ~(jnp.asarray(self.layers) == target).any()
+                x = x + eqx.error_if(jnp.zeros((), x.dtype), bad, message)
+        return x
 
     def _features_only(self, sae: SAE, x, x_in, active, on_latents, scope, wide):
         """``x`` plus the change the feature edits make to the reconstruction, computing only the edited features'
@@ -261,10 +283,7 @@ def splice(model: Model, sae: SAE | Sequence[SAE], site: str | None = None, laye
     if not isinstance(sae, SAE):
         sae = stack(list(sae))
     if site is None:
-        hook = sae.hook_name_out if sae.transcoder else sae.hook_name
-        if hook is None:
-            raise SiteError("splice: the dictionary names no site (no hook_name); pass site=")
-        site, at = site_of(hook)
+        site, at = _named_site(sae.hook_name_out if sae.transcoder else sae.hook_name)
         layer = at if layer is None else layer
     base, index = parse(site)
     if index is not None:
@@ -295,7 +314,7 @@ def splice(model: Model, sae: SAE | Sequence[SAE], site: str | None = None, laye
         raise SiteError(f"splice: the dictionary writes {want_out} features wide, but {base} is {width} wide "
                         f"[{', '.join(SITES[base].layout)}]; splice it where it was trained")
     if sae.transcoder:
-        source = source or (site_of(sae.hook_name)[0] if sae.hook_name else None)
+        source = source or (_named_site(sae.hook_name)[0] if sae.hook_name else None)
         if source is None:
             raise SiteError("splice: a transcoder reads a source site; pass source= (e.g. 'layers.mlp_norm_output')")
         source = parse(source)[0]
@@ -311,6 +330,23 @@ def splice(model: Model, sae: SAE | Sequence[SAE], site: str | None = None, laye
     if sae.d_in != width:
         raise SiteError(f"splice: the dictionary reads {sae.d_in} features, but {base} is {width} wide")
     return (Splice(base, sae, layers=layers),)
+
+
+def _named_site(hook) -> tuple[str, int | tuple[int, ...] | None]:
+    """``(site, block or blocks)`` a dictionary's ``hook_name`` names; on a stack with one name per row, the one
+    site they share and each row's block. SiteError when there is no name or the rows name different sites."""
+    hooks = hook if isinstance(hook, tuple) else (hook,)
+    if any(h is None for h in hooks):
+        raise SiteError("splice: the dictionary names no site (no hook_name); pass site=")
+    found = [site_of(h) for h in hooks]
+    sites = sorted({f[0] for f in found})
+    if len(sites) > 1:
+        raise SiteError(f"splice: the stacked dictionaries name different sites ({', '.join(sites)}); stack the "
+                        "dictionaries of one site and splice each site's stack")
+    if not isinstance(hook, tuple):
+        return found[0]
+    blocks = tuple(f[1] for f in found)
+    return sites[0], (None if None in blocks else blocks)
 
 
 def _width(model: Model, site: str) -> int:

@@ -362,16 +362,31 @@ def train(
     mesh: a ``jax.sharding.Mesh`` with ``data`` and/or ``model`` axes (``jstd.sharding.mesh(data=…, model=…)``;
         batch rows over ``data``, latents over ``model``). init_sae: start from this dictionary instead of SAELens' initialization.
 
-    Returns ``Trained(sae, log)``. Raises ValueError for an unknown architecture, a missing ``k``, a batch larger
+    Returns ``Trained(sae, log)``. Raises ValueError, before anything runs, for an unknown architecture, a missing
+    ``k``, ``d_sae``, ``batch_size``, ``log_every`` or ``checkpoint_every`` not a positive int, ``steps`` not an int
+    of 0 or more, an ``init_sae`` whose latents are not ``d_sae`` or whose width is not the rows', a batch larger
     than the dataset, or a checkpoint written by a different call.
     """
     if architecture not in TRAINED:
         raise ValueError(f"train: architecture {architecture!r} is not trained here; pass one of {', '.join(TRAINED)}")
     if architecture in ("topk", "batchtopk") and not k:
         raise ValueError(f"train: a {architecture} dictionary needs k= (active latents per token)")
+    _check_counts(d_sae=(d_sae, 1, "latents"), steps=(steps, 0, "batches to train on"),
+                  batch_size=(batch_size, 1, "rows a step"), log_every=(log_every, 1, "steps between log entries"),
+                  checkpoint_every=(checkpoint_every, 1, "steps between checkpoints"))
+    if init_sae is not None:
+        if not isinstance(init_sae, SAE) or init_sae.stacked:
+            raise ValueError("train: init_sae must be one jstd.sae.SAE (not a stack); index a stack first (sae[i])")
+        if init_sae.d_sae != d_sae:
+            raise ValueError(f"train: d_sae={d_sae} but init_sae has {init_sae.d_sae} latents; pass "
+                             f"d_sae={init_sae.d_sae} (the dictionary trained is init_sae's)")
     rows = Rows(dataset, site, layer)
     if batch_size > len(rows):
         raise ValueError(f"train: batch_size={batch_size} is larger than the dataset's {len(rows)} rows")
+    if init_sae is not None and (init_sae.d_in, init_sae.d_out) != (rows.width, rows.width):
+        raise ValueError(f"train: init_sae reads {init_sae.d_in} and writes {init_sae.d_out} features, but the "
+                         f"rows it trains on are {rows.width} wide; pass a dictionary of width {rows.width} (one "
+                         "trained at this site)")
     settings = Settings(architecture, k, float(l1), float(l0), float(bandwidth), int(aux_k or max(rows.width // 2, 1)),
                         float(aux_coefficient), int(dead_after))
     hook = None
@@ -447,6 +462,13 @@ def train(
     if out is not None:
         save_sae(result, out)
     return Trained(result, log)
+
+
+def _check_counts(**counts) -> None:
+    """ValueError unless each ``name=(value, least, meaning)`` is an int of at least ``least``."""
+    for name, (value, least, meaning) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise ValueError(f"train: {name}={value!r} must be an int of at least {least} ({meaning})")
 
 
 def _save(folder: Path, state: State, log, fingerprint) -> None:
