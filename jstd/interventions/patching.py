@@ -28,6 +28,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.interventions.chunking import balanced, fit
+from jstd.core.checks import trusted
 from jstd.core.edits import Set, check_index, selection_mask, site_axes
 from jstd.core.progress import Progress, quiet_unless_terminal
 from jstd.core.inputs import Inputs, as_inputs
@@ -188,7 +189,8 @@ def patch_sweep(
     lower = lambda size: _sweep_chunk.lower(model, corrupt, clean_values, metric,
                                             entries_of((grid_l, grid_p, grid_h), 0, size), site, what)
     guess = chunk_size_for(model, *corrupt.tokens.shape, n, memory_budget)
-    size, chunk = spread.fit(lower, n, guess, memory_budget, chunk_size)
+    with trusted():  # the grid, inputs and metric were checked concretely above: no host callback in the chunk
+        size, chunk = spread.fit(lower, n, guess, memory_budget, chunk_size)
     chunks = math.ceil(n / size)
     pad = chunks * size - n
     padded = [np.concatenate([g, np.repeat(g[-1:], pad)]) for g in (grid_l, grid_p, grid_h)]

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jstd.core.checks import trusted
 from jstd.core.context import Context
 from jstd.interventions.chunking import fit
 from jstd.core.edits import Set, site_axes
@@ -123,7 +124,8 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     lower = lambda size: resumed_chunk.lower(model, corrupt, attention_mask, corrupt_out, clean_values, metric, chunk_rows(rows, 0, size),
                                       jnp.asarray(layers[0], jnp.int32), site, split_heads)
     guess = int(memory_budget // bytes_per_row(model, corrupt.shape[0], length, keys))
-    size, chunk = (fit if spread is None else spread.fit)(lower, n_rows, guess, memory_budget, chunk_size)
+    with trusted():  # every argument was checked concretely above: no host callback, cacheable across sessions
+        size, chunk = (fit if spread is None else spread.fit)(lower, n_rows, guess, memory_budget, chunk_size)
     chunks = math.ceil(n_rows / size)
     pad = chunks * size - n_rows
     padded = Rows(*(np.concatenate([a, np.repeat(a[-1:], pad, 0)]) for a in rows))
