@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: timing, tiny random checkpoints, peak memory in a subprocess, table headings, and
+"""Shared benchmark helpers: the quiet-machine guard (``quiet.guard``, run when a benchmark starts), timing, tiny random checkpoints, peak memory in a subprocess, table headings, and
 the text forward benchmark (olmo_hybrid.py, qwen3_5.py)."""
 
 from __future__ import annotations
@@ -11,8 +11,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import quiet
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+if Path(sys.argv[0]).resolve().parent == Path(__file__).resolve().parent and not quiet.BUSY:  # a benchmark's start
+    quiet.guard()  # refuses a busy machine (or, with --allow-busy, marks every row "busy")
 WORK = Path(tempfile.gettempdir()) / "jstd-bench"   # the random checkpoints, saved once
 BATCH, SEQ = 4, 256                                 # the text forward benchmarks' random tokens
 
