@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 if Path(sys.argv[0]).resolve().parent == Path(__file__).resolve().parent and not quiet.BUSY:  # a benchmark's start
     quiet.guard()  # refuses a busy machine (or, with --allow-busy, marks every row "busy")
+# a cold figure is one with an empty persistent compilation cache: a fresh folder per benchmark run (inherited by
+# its subprocesses), unless JSTD_COMPILATION_CACHE says otherwise (jstd.core.compile_cache)
+os.environ.setdefault("JSTD_COMPILATION_CACHE", tempfile.mkdtemp(prefix="jstd-bench-cache-"))
 WORK = Path(tempfile.gettempdir()) / "jstd-bench"   # the random checkpoints, saved once
 BATCH, SEQ = 4, 256                                 # the text forward benchmarks' random tokens
 
