@@ -15,7 +15,9 @@ import quiet
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-if Path(sys.argv[0]).resolve().parent == Path(__file__).resolve().parent and not quiet.BUSY:  # a benchmark's start
+_SCRIPT = Path(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None  # not `python -c`, not a REPL
+if _SCRIPT is not None and _SCRIPT.is_file() and _SCRIPT.resolve().parent == Path(__file__).resolve().parent \
+        and not quiet.BUSY:  # a benchmark script's start (its subprocesses run `-c` code)
     quiet.guard()  # refuses a busy machine (or, with --allow-busy, marks every row "busy")
 # a cold figure is one with an empty persistent compilation cache: a fresh folder per benchmark run (inherited by
 # its subprocesses), unless JSTD_COMPILATION_CACHE says otherwise (jstd.core.compile_cache)
