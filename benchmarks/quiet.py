@@ -5,7 +5,8 @@ exits with status 3), unless it is given ``--allow-busy``: then it runs and ever
 
 ``guard()`` runs once when a benchmark script starts (``common`` calls it on import, for the script named on the
 command line only: a benchmark's own subprocesses and the tests that import these modules are not checked).
-``--allow-busy`` is taken out of ``sys.argv`` before the script's own parser reads it.
+``--allow-busy`` is taken out of ``sys.argv`` before the script's own parser reads it. The first line a benchmark
+prints is the machine's state and its dot peak (XLA's float32 2048³ product), which its figures are read against.
 """
 
 from __future__ import annotations
@@ -107,6 +108,24 @@ def _mark(line: str) -> str:
     return line
 
 
+def dot_peak(n: int = 2048, repeats: int = 7) -> float:
+    """XLA's float32 ``n``³ product on the default backend, in FLOP/s (best of ``repeats``): the machine's dot peak
+    that every table's figures are read against."""
+    import jax
+    import jax.numpy as jnp
+
+    with jax.default_matmul_precision("highest"):
+        a = jnp.ones((n, n), jnp.float32)
+        product = jax.jit(lambda a: a @ a)
+        product(a).block_until_ready()
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            product(a).block_until_ready()
+            best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
 def guard(argv: list[str] | None = None) -> bool:
     """Check the machine before a benchmark measures anything: quiet, return False; busy without ``--allow-busy``
     in ``argv`` (default ``sys.argv``, from which the flag is removed), print the load and the busy processes to
@@ -119,6 +138,8 @@ def guard(argv: list[str] | None = None) -> bool:
         argv.remove(FLAG)
     load, others = load_average(), busy_processes()
     if load <= MAX_LOAD and not others:
+        print(f"quiet machine: 1-minute load average {load:.2f}, no other process on a core; XLA's float32 2048³ "
+              f"dot peak {dot_peak() / 1e9:.0f} GFLOP/s")
         return False
     what = f"1-minute load average {load:.2f} (at most {MAX_LOAD})" + "".join(
         f"; pid {pid} ({name}) uses {cores:.2f} of a core" for pid, name, cores in others[:8])
@@ -127,7 +148,8 @@ def guard(argv: list[str] | None = None) -> bool:
               f"{FLAG} to measure anyway with every row marked busy", file=sys.stderr)
         sys.exit(3)
     BUSY = True
-    print(f"BUSY (measured with {FLAG}): {what}; every row below is marked busy and is not a figure")
+    print(f"BUSY (measured with {FLAG}): {what}; every row below is marked busy and is not a figure; XLA's "
+          f"float32 2048³ dot {dot_peak() / 1e9:.0f} GFLOP/s (busy)")
     sys.stdout.flush()
     sys.stdout = _Marked(sys.stdout)
     return True

@@ -17,12 +17,14 @@ def machine(monkeypatch):
     monkeypatch.setattr(quiet, "load_average", lambda: state["load"])
     monkeypatch.setattr(quiet, "busy_processes", lambda: state["others"])
     monkeypatch.setattr(quiet, "BUSY", False)
+    monkeypatch.setattr(quiet, "dot_peak", lambda: 5e11)
     return state
 
 
-def test_quiet_machine_runs_unmarked(machine):
+def test_quiet_machine_runs_unmarked(machine, capsys):
     argv = ["bench.py", "--repeats", "3"]
     assert quiet.guard(argv) is False and argv == ["bench.py", "--repeats", "3"]
+    assert "dot peak 500 GFLOP/s" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("load, others", [(0.8, []), (0.1, [(42, "python", 0.9)])])
@@ -45,7 +47,7 @@ def test_allowed_busy_machine_marks_every_row(machine, monkeypatch):
     print("heading\n| figure | ratio |\n| --- | --- |\n| forward | 1.5x |")
     sys.stdout.flush()
     lines = out.getvalue().splitlines()
-    assert lines[0].startswith("BUSY") and "3.00" in lines[0]
+    assert lines[0].startswith("BUSY") and "3.00" in lines[0] and "500 GFLOP/s" in lines[0]
     assert lines[1:] == ["heading", "| busy: figure | ratio |", "| --- | --- |", "| busy: forward | 1.5x |"]
 
 
