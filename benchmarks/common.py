@@ -21,7 +21,8 @@ if _SCRIPT is not None and _SCRIPT.is_file() and _SCRIPT.resolve().parent == Pat
     quiet.guard()  # refuses a busy machine (or, with --allow-busy, marks every row "busy")
 # a cold figure is one with an empty persistent compilation cache: a fresh folder per benchmark run (inherited by
 # its subprocesses), unless JSTD_COMPILATION_CACHE says otherwise (jstd.core.compile_cache)
-os.environ.setdefault("JSTD_COMPILATION_CACHE", tempfile.mkdtemp(prefix="jstd-bench-cache-"))
+if "JSTD_COMPILATION_CACHE" not in os.environ:
+    os.environ["JSTD_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="jstd-bench-cache-")
 WORK = Path(tempfile.gettempdir()) / "jstd-bench"   # the random checkpoints, saved once
 BATCH, SEQ = 4, 256                                 # the text forward benchmarks' random tokens
 

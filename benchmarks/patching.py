@@ -53,7 +53,8 @@ import numpy as np
 
 # "cold" means an empty persistent compilation cache: each run of this benchmark gets a fresh folder (its own
 # subprocesses inherit it, and the second-process row reads what the first cold sweep wrote there)
-os.environ.setdefault("JSTD_COMPILATION_CACHE", tempfile.mkdtemp(prefix="jstd-bench-cache-"))
+if "JSTD_COMPILATION_CACHE" not in os.environ:
+    os.environ["JSTD_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="jstd-bench-cache-")
 
 import jstd  # noqa: E402
 from common import checkpoint
