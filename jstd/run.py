@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jstd.core import compile_cache  # noqa: F401 (importing it turns on jax's persistent compilation cache)
 from jstd.core.context import Context, check_context
-from jstd.core.checks import check_message, checked
+from jstd.core.checks import check_message, checked, trusting
 from jstd.core.edits import as_edits, check_left_padded
 from jstd.core.inputs import Inputs, as_inputs, token_array, with_layout
 from jstd.core.jit import combine, partition
@@ -191,7 +192,7 @@ def _compiled(model: Model, inputs: Inputs, edits: tuple, context: Context | Non
     """
     model_dynamic, model_fixed, model_def = _memo(model).split  # a model object is split once
     dynamic, fixed, treedef = partition((inputs, edits, context))
-    structure = (model_def, model_fixed, treedef, fixed)
+    structure = (model_def, model_fixed, treedef, fixed, trusting())  # a trace without checks is not reused with
     try:
         hash(structure)
     except TypeError:
@@ -207,7 +208,7 @@ def _compiled(model: Model, inputs: Inputs, edits: tuple, context: Context | Non
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _jit_forward(model_dynamic: list, dynamic: list, structure: tuple, reads: tuple[str, ...]) -> Outputs:
-    model_def, model_fixed, treedef, fixed = structure
+    model_def, model_fixed, treedef, fixed, _ = structure
     return forward(combine(model_dynamic, model_fixed, model_def), *combine(dynamic, fixed, treedef), reads)
 
 

@@ -9,6 +9,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# no persistent compilation cache (jstd turns jax's on by default): the suite compiles afresh and writes nothing home
+os.environ.setdefault("JSTD_COMPILATION_CACHE", "0")
 # the suite runs on the CPU even where the aot extra installs libtpu and the CUDA plugin (tests/test_aot.py compiles
 # for their abstract devices, which needs no backend of theirs; with cpu named, the CUDA plugin skips its version
 # check and registers its compiler)

@@ -148,6 +148,24 @@ def test_head_sweep_compiles_once_and_matches(model, pair):
     close(together[0, 0], jstd.patch(model, clean, corrupt, site, layer=3, positions=2, metric=metric), 1e-4)
 
 
+def test_a_cold_residual_sweep_compiles_three_programs(model):
+    """A resumed sweep compiles the clean run's read, the corrupted run's and the chunk, nothing else (host data
+    goes to the device through ``device_put``, which compiles nothing: ``jnp.asarray`` of numpy compiled a
+    program for each new shape and dtype, seven more here)."""
+    rng = np.random.default_rng(3)
+    clean = rng.integers(3, model.config.vocab_size, (1, 13))  # a shape no other test compiles
+    corrupt = clean.copy()
+    corrupt[0, 4] = 5
+    compiles = []
+    listener = lambda event, secs, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jstd.patch_sweep(model, clean, corrupt, "layers.layer_output", jstd.logit_difference(5, 9), progress=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(compiles) == 3, compiles
+
+
 def test_chunks_fit_the_memory_budget(model):
     per = bytes_per_run(model, 2, SEQ)
     for budget in (1, per * 3 + 1, per * 100):

@@ -1,8 +1,13 @@
 """jstd.load: sharded checkpoints, dtype, repo ids from the cache, and every error a checkpoint can cause."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +18,8 @@ from llama_cases import config
 from reference.checkpoints import make_checkpoint
 from reference.harness import TorchReference
 from conftest import assert_close
+
+ROOT = str(Path(__file__).resolve().parents[1])
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +138,105 @@ def test_not_a_checkpoint(tmp_path):
         jstd.load(tmp_path)
     with pytest.raises(FileNotFoundError, match="neither a local folder nor a hub repo id"):
         jstd.load(tmp_path / "nope" / "deeper")
+
+
+def test_transformed_tensors_read_in_parts_equal_whole(folder, monkeypatch):
+    """Tensors that need a transpose, a split into heads or a cast are read a part at a time (``CHUNK_BYTES``):
+    with parts of 64 bytes the loaded parameters equal, bit for bit, those read whole."""
+    from jstd.io import buffers
+
+    whole = {dt: jax.tree.leaves(jstd.load(folder, dtype=dt)) for dt in (jnp.float32, jnp.bfloat16)}
+    calls = []
+    monkeypatch.setattr(buffers, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(buffers, "_fill_in_parts", lambda *a, _f=buffers._fill_in_parts: calls.append(1) or _f(*a))
+    for dt, leaves in whole.items():
+        parts = jax.tree.leaves(jstd.load(folder, dtype=dt))
+        assert all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+                   for a, b in zip(leaves, parts))
+    assert calls  # the parts path ran
+
+
+# a fresh process that imports only jax and jstd: loads a checkpoint (torch is never imported), then measures the
+# peak resident memory each larger load adds, then checks that the user's own transformers still has torch
+NO_TORCH_LOAD = """
+import gc, json, sys
+import jax, jax.numpy as jnp, jstd
+def status(field):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field)) * 1024
+jnp.ones(3).block_until_ready()
+small, big = sys.argv[1], sys.argv[2:]
+jstd.load(small)
+out = {"torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules, "added": []}
+for folder in big:
+    open("/proc/self/clear_refs", "w").write("5")  # the peak from now on
+    base = status("VmRSS")
+    model = jstd.load(folder)
+    jax.block_until_ready(model)
+    out["added"].append(status("VmHWM") - base)
+    del model
+    gc.collect()  # the model's buffers unmapped before the next baseline
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+LlamaForCausalLM(LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1))
+out["torch_after"] = transformers.utils.is_torch_available() and "torch" in sys.modules
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures memory through Linux's /proc")
+def test_load_imports_no_torch_and_holds_the_weights_once(folder, tmp_path):
+    """In a process that imported only jax and jstd, ``jstd.load`` imports neither torch nor (outside its own
+    calls) transformers, and the peak memory a load adds is at most 1.2x the weights, one safetensors file or
+    shards alike (an untied head of 16 MiB: read transposed a part at a time); afterwards the user's
+    ``import transformers`` has torch as usual."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(**{**config("gqa").to_dict(), "vocab_size": 32768, "hidden_size": 256,
+                         "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                         "num_key_value_heads": 2, "head_dim": 64})
+    one = make_checkpoint(cfg, tmp_path / "one", seed=3)
+    AutoModelForCausalLM.from_pretrained(one).save_pretrained(tmp_path / "sharded", max_shard_size="24MB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    weights = sum(p.stat().st_size for p in one.glob("*.safetensors"))
+    done = subprocess.run([sys.executable, "-c", NO_TORCH_LOAD, str(folder), str(one), str(tmp_path / "sharded")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not out["torch"] and not out["transformers"] and out["torch_after"]
+    assert all(added <= 1.2 * weights for added in out["added"]), (out["added"], weights)
+
+
+CONFIGS_WITHOUT_TORCH = """
+import json, sys
+from jstd.families import FAMILIES
+from jstd.io.torchless import transformers
+out = {}
+with transformers() as library:
+    for name in sorted(FAMILIES):
+        try:
+            out[name] = library.AutoConfig.for_model(name).to_dict()
+        except Exception as e:
+            out[name] = repr(e)
+print(json.dumps({"torch": "torch" in sys.modules, "configs": out}, default=str))
+"""
+
+
+def test_configs_without_torch_equal_transformers():
+    """Every family's default config built by the torch-free copy of transformers (``jstd.io.torchless``) in a
+    process without torch equals the installed transformers' (with torch), key by key."""
+    from transformers import AutoConfig
+
+    from jstd.families import FAMILIES
+
+    done = subprocess.run([sys.executable, "-c", CONFIGS_WITHOUT_TORCH], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not out["torch"]
+    for name in sorted(FAMILIES):
+        try:
+            expected = AutoConfig.for_model(name).to_dict()
+        except Exception as e:
+            expected = repr(e)
+        assert out["configs"][name] == json.loads(json.dumps(expected, default=str)), name

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jstd.families import family_for
+from jstd.io.torchless import transformers
 from jstd.sharding import FSDP, shardings
 
 # config.json shapes of released checkpoints (no download: the compile needs the shapes alone)
@@ -60,9 +61,7 @@ def config(source, *, blocks: int | None = None):
     Raises ValueError for a source that is none of these (naming the presets) or a ``model_type`` jstd has no
     family for.
     """
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(source, PretrainedConfig):
+    if hasattr(source, "to_dict") and hasattr(source, "model_type"):  # a transformers config (the user's or ours)
         raw = source.to_dict()
     elif isinstance(source, dict):
         raw = copy.deepcopy(source)
@@ -78,7 +77,8 @@ def config(source, *, blocks: int | None = None):
     raw = _cut(raw, blocks)
     family_for(raw.get("model_type"), repr(source))
     kind = raw.pop("model_type")
-    return AutoConfig.for_model(kind, **raw)
+    with transformers() as library:  # without importing torch (jstd.io.torchless)
+        return library.AutoConfig.for_model(kind, **raw)
 
 
 def _cut(raw: dict, blocks: int | None) -> dict:

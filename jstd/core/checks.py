@@ -8,12 +8,17 @@ fail the compiled call (an equinox runtime error) when it is traced. Every such 
   callback's branch, which makes XLA gather a row-sharded array onto every device (an involuntary full
   rematerialization); a zero scalar carrying the check, added to the value, keeps its sharding;
 - an eager ``jstd.run`` whose compiled check fails re-raises the check's own message as a ValueError
-  (``check_message``).
+  (``check_message``);
+- inside ``trusted()`` (jstd's own programs whose every argument was checked concretely before they were traced:
+  a sweep's chunk) traced checks are left out: a check is a host callback, which costs a round trip per call and
+  keeps the program out of jax's persistent compilation cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 from typing import Callable
 
 import equinox as eqx
@@ -27,6 +32,27 @@ from jstd.core.sites import SiteError
 
 def is_traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
+
+
+_TRUST = threading.local()
+
+
+@contextlib.contextmanager
+def trusted():
+    """Trace inside this block only programs whose arguments the caller has already checked with concrete values:
+    ``checked`` then attaches nothing to traced values (concrete ones are still checked). A jit whose trace may be
+    reused outside the block must key its cache on ``trusting()`` (``jstd.run`` does)."""
+    before = trusting()
+    _TRUST.on = True
+    try:
+        yield
+    finally:
+        _TRUST.on = before
+
+
+def trusting() -> bool:
+    """Whether traced checks are left out here (inside ``trusted()``)."""
+    return getattr(_TRUST, "on", False)
 
 
 def checked(x: ArrayLike, bad: Callable, message: str, *, concrete: Callable[[np.ndarray, np.ndarray], str] | None = None,
@@ -43,6 +69,8 @@ def checked(x: ArrayLike, bad: Callable, message: str, *, concrete: Callable[[np
         flags = np.asarray(bad(np, values))
         if flags.any():
             raise error(message if concrete is None else concrete(values, flags))
+        return x
+    if trusting():
         return x
     flag = jnp.asarray(bad(jnp, x)).any()
     return x + eqx.error_if(jnp.zeros((), x.dtype), flag, message)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 def partition(tree) -> tuple[list, tuple, jax.tree_util.PyTreeDef]:
@@ -20,3 +22,12 @@ def partition(tree) -> tuple[list, tuple, jax.tree_util.PyTreeDef]:
 def combine(dynamic: list, fixed: tuple, treedef: jax.tree_util.PyTreeDef):
     """The tree ``partition`` split (its inverse)."""
     return jax.tree.unflatten(treedef, [s if a is None else a for a, s in zip(dynamic, fixed)])
+
+
+def device_array(x):
+    """``x`` as a jax array, equal to ``jnp.asarray(x)``: a numpy array or scalar through ``jax.device_put``, which
+    compiles nothing (``jnp.asarray`` of host data compiles a small program for each new shape and dtype, several
+    per sweep), anything else (jax arrays, tracers, Python numbers and lists) through ``jnp.asarray``."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return jax.device_put(x)
+    return jnp.asarray(x)

@@ -19,14 +19,18 @@ from typing import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from jstd.core.checks import checked, shown
+from jstd.core.jit import device_array
 from jstd.core.edits import check_index, check_left_padded
 
 
 def token_ids(ids, what: str) -> Int[Array, "*batch"]:
     """``ids`` as an integer array; TypeError for another dtype (a float, a string's tokens not yet looked up)."""
+    if not isinstance(ids, (jax.core.Tracer, jax.Array)) and np.asarray(ids).dtype.kind in "iu":
+        ids = device_array(np.asarray(ids))  # (compiles nothing, as jnp.asarray of host ids would)
     ids = ids if isinstance(ids, jax.core.Tracer) else jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"{what} must be integer token ids (an int or one per row), got dtype {ids.dtype}; "

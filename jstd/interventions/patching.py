@@ -28,6 +28,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.interventions.chunking import balanced, fit
+from jstd.core.checks import trusted
+from jstd.core.jit import device_array
 from jstd.core.edits import Set, check_index, selection_mask, site_axes
 from jstd.core.progress import Progress, quiet_unless_terminal
 from jstd.core.inputs import Inputs, as_inputs
@@ -82,7 +84,7 @@ def patch(
 
 def pair_inputs(clean, corrupt, attention_mask) -> tuple[Inputs, Inputs]:
     """Both runs' inputs (token arrays share ``attention_mask``); ValueError unless their shapes agree."""
-    clean, corrupt = (jax.tree.map(jnp.asarray, as_inputs(x, attention_mask)) for x in (clean, corrupt))
+    clean, corrupt = (jax.tree.map(device_array, as_inputs(x, attention_mask)) for x in (clean, corrupt))
     shapes = [jax.tree.map(np.shape, x) for x in (clean, corrupt)]
     if shapes[0] != shapes[1]:
         raise ValueError(f"clean {np.shape(clean.tokens)} and corrupt {np.shape(corrupt.tokens)} inputs must have "
@@ -181,14 +183,15 @@ def patch_sweep(
         out = resumed_sweep(model, clean_values, corrupt.tokens, corrupt.attention_mask, site, metric, axes[0], axes[1],
                             axes[2] if split_heads else [0], split_heads, memory_budget, chunk_size,
                             lambda blocks: _progress(blocks, progress, f"patching {site}"), spread)
-        return jnp.asarray(out.reshape(shape + out.shape[2:]))
+        return device_array(out.reshape(shape + out.shape[2:]))
 
     what = (per_block, pos_axis is not None, split_heads)
     entries_of = lambda g, start, size: SweepGrid(*(spread.place(a[start:start + size], size) for a in g))
     lower = lambda size: _sweep_chunk.lower(model, corrupt, clean_values, metric,
                                             entries_of((grid_l, grid_p, grid_h), 0, size), site, what)
     guess = chunk_size_for(model, *corrupt.tokens.shape, n, memory_budget)
-    size, chunk = spread.fit(lower, n, guess, memory_budget, chunk_size)
+    with trusted():  # the grid, inputs and metric were checked concretely above: no host callback in the chunk
+        size, chunk = spread.fit(lower, n, guess, memory_budget, chunk_size)
     chunks = math.ceil(n / size)
     pad = chunks * size - n
     padded = [np.concatenate([g, np.repeat(g[-1:], pad)]) for g in (grid_l, grid_p, grid_h)]
@@ -241,7 +244,7 @@ class Spread:
         placed."""
         entries = spread(np.asarray(entries), size - len(entries))
         if self.mesh is None:
-            return jnp.asarray(entries)
+            return device_array(entries)
         from jax.sharding import NamedSharding, PartitionSpec
 
         return jax.device_put(entries, NamedSharding(self.mesh, PartitionSpec(self.axis)))

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jstd.core.checks import trusted
+from jstd.core.jit import device_array
 from jstd.core.context import Context
 from jstd.interventions.chunking import fit
 from jstd.core.edits import Set, site_axes
@@ -118,12 +120,13 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     rows = pack(entry_p, entry_h, seq, pair=not model.layers_with("linear_attn"))
     n_rows, length = rows.positions.shape
     keys = length + (corrupt_out[Context.sites_for(model)[0]].shape[3] if model.layers_with("self_attn") else 0)
-    place = (lambda a, size: jnp.asarray(a)) if spread is None else spread.place
+    place = (lambda a, size: device_array(a)) if spread is None else spread.place
     chunk_rows = lambda rows, start, size: Rows(*(place(a[start:start + size], size) for a in rows))
     lower = lambda size: resumed_chunk.lower(model, corrupt, attention_mask, corrupt_out, clean_values, metric, chunk_rows(rows, 0, size),
-                                      jnp.asarray(layers[0], jnp.int32), site, split_heads)
+                                      device_array(np.int32(layers[0])), site, split_heads)
     guess = int(memory_budget // bytes_per_row(model, corrupt.shape[0], length, keys))
-    size, chunk = (fit if spread is None else spread.fit)(lower, n_rows, guess, memory_budget, chunk_size)
+    with trusted():  # every argument was checked concretely above: no host callback, cacheable across sessions
+        size, chunk = (fit if spread is None else spread.fit)(lower, n_rows, guess, memory_budget, chunk_size)
     chunks = math.ceil(n_rows / size)
     pad = chunks * size - n_rows
     padded = Rows(*(np.concatenate([a, np.repeat(a[-1:], pad, 0)]) for a in rows))
@@ -133,7 +136,7 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
         per_layer = []
         for c in range(chunks):
             per_layer.append(np.asarray(chunk(model, corrupt, attention_mask, corrupt_out, clean_values, metric,
-                                              chunk_rows(padded, c * size, size), jnp.asarray(layer, jnp.int32),
+                                              chunk_rows(padded, c * size, size), device_array(np.int32(layer)),
                                               site, split_heads)))
         values = np.concatenate(per_layer)[:n_rows]  # [rows, slots, *metric]
         grid = np.zeros((len(entry_p),) + values.shape[2:], values.dtype)

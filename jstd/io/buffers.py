@@ -10,6 +10,8 @@ import numpy as np
 
 from jstd.io.safetensors import CheckpointError, SafetensorsFiles
 
+CHUNK_BYTES = 8 << 20  # the most a transformed or cast tensor is read at a time (``_fill_in_parts``)
+
 def aligned_buffer(shape, dtype: np.dtype) -> np.ndarray:
     """An uninitialized page-aligned array (so ``device_put`` can alias it). On Linux its pages are mapped at once
     (``MAP_POPULATE``): faulting them in one by one as they are first written costs several times the copy itself
@@ -41,7 +43,9 @@ def fill(files: SafetensorsFiles, entry, keys: list[str], slot: np.ndarray, scra
     """The tensor stored under ``keys`` (parts concatenated along axis 0), transformed, into ``slot``, shape-checked.
 
     When the transform keeps the stored bytes' order and dtype (the identity, reshapes) the file is read straight
-    into ``slot``; otherwise into ``scratch``, then copied once, transformed (and cast), into ``slot``."""
+    into ``slot``; otherwise into ``scratch``, then copied once, transformed (and cast), into ``slot`` — a part of
+    at most ``CHUNK_BYTES`` at a time where the transform is a view cut along one axis into ranges of the stored
+    bytes (a transpose, a split into heads: ``_outer_axis``), so the transient is never a whole large tensor."""
     shapes = [files.shape(k) for k in keys]
     dtypes = {files.dtype(k) for k in keys}
     name = keys[0] if len(keys) == 1 else " + ".join(keys)
@@ -64,7 +68,11 @@ def fill(files: SafetensorsFiles, entry, keys: list[str], slot: np.ndarray, scra
     # (the whole tensor, in order: a slice that starts at the stored bytes, a fused tensor's first part, is not)
     direct = (dtype == slot.dtype and mapped.dtype == dtype and mapped.flags.c_contiguous
               and mapped.ctypes.data == probe.ctypes.data and mapped.size == probe.size)
+    axis = None if direct or len(keys) > 1 else _outer_axis(probe, mapped)
     del probe, mapped
+    if axis is not None and slot.nbytes > CHUNK_BYTES:  # transformed or cast a part at a time: a small scratch
+        _fill_in_parts(files, keys[0], entry.transform, stored, dtype, slot, axis, scratch)
+        return
     raw = slot if direct else scratch.get(stored, dtype)
     flat, start = raw.reshape(-1), 0
     for key, shape in zip(keys, shapes):
@@ -72,6 +80,44 @@ def fill(files: SafetensorsFiles, entry, keys: list[str], slot: np.ndarray, scra
         start += math.prod(shape)
     if not direct:
         np.copyto(slot, entry.transform(raw), casting="unsafe")
+
+
+def _outer_axis(probe: np.ndarray, mapped: np.ndarray) -> int | None:
+    """The axis of ``mapped`` (a transform of the C-contiguous ``probe``) along which it is cut into pieces that
+    each come from one contiguous range of ``probe``'s bytes, in order: the axis with the largest stride, when
+    ``mapped`` is a view of all of ``probe`` (a transpose, a reshape into heads, both) whose index along that axis
+    alone picks the range (stride times length is the whole). None otherwise (a copy, a slice, a reversal)."""
+    if mapped.size != probe.size or mapped.ctypes.data != probe.ctypes.data or mapped.size == 0:
+        return None
+    long = [k for k in range(mapped.ndim) if mapped.shape[k] > 1]
+    if not long or any(mapped.strides[k] <= 0 for k in long):
+        return None
+    axis = max(long, key=lambda k: mapped.strides[k])
+    stride = mapped.strides[axis]
+    reach = sum((mapped.shape[k] - 1) * mapped.strides[k] for k in long if k != axis) + mapped.itemsize
+    if stride * mapped.shape[axis] != probe.nbytes or reach > stride:  # each index's elements within its range
+        return None
+    return axis
+
+
+def _fill_in_parts(files: SafetensorsFiles, key: str, transform, stored, dtype: np.dtype, slot: np.ndarray,
+                   axis: int, scratch: Scratch) -> None:
+    """``fill`` of one tensor whose transform cuts along ``slot``'s ``axis`` into contiguous ranges of the stored
+    bytes (``_outer_axis``): read a range at a time (about ``CHUNK_BYTES``) into ``scratch`` and copied,
+    transformed and cast, into its part of ``slot``: the transient is the scratch, not the tensor."""
+    probe = np.empty(stored, dtype)
+    mapped = transform(probe)
+    shape, strides, step = list(mapped.shape), mapped.strides, mapped.strides[axis]
+    del probe, mapped
+    count = max(1, CHUNK_BYTES // step)
+    for start in range(0, slot.shape[axis], count):
+        n = min(count, slot.shape[axis] - start)
+        raw = scratch.get((n * step // dtype.itemsize,), dtype)
+        files.read_into(key, raw, offset=start * step)
+        part = np.lib.stride_tricks.as_strided(raw, shape=shape[:axis] + [n] + shape[axis + 1:], strides=strides,
+                                               writeable=False)
+        index = (slice(None),) * axis + (slice(start, start + n),)
+        np.copyto(slot[index], part, casting="unsafe")
 
 
 def fill_entry(files: SafetensorsFiles, entry, buf: np.ndarray, scratch: Scratch) -> None:

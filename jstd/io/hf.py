@@ -1,5 +1,5 @@
-"""Reading a HuggingFace checkpoint's configuration: ``config.json`` through transformers (once its ``model_type`` is
-known to be jstd's), the parameter dtype, the config keys a family does not read, the name map spelled as the files
+"""Reading a HuggingFace checkpoint's configuration: ``config.json`` through transformers' config classes (once its
+``model_type`` is known to be jstd's; without importing torch: ``jstd.io.torchless``), the parameter dtype, the config keys a family does not read, the name map spelled as the files
 store it, and ``generation_config.json``'s token ids. Reads no tensor."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 from jstd.families import family_for
 from jstd.io.hub import resolve
 from jstd.io.safetensors import CheckpointError, SafetensorsFiles
+from jstd.io.torchless import transformers
 from jstd.nn.params import with_fields
 from jstd.nn.namemap import at_path, spelled
 
@@ -37,7 +38,8 @@ class ConfigWarning(UserWarning):
 
 def hf_config(folder: Path):
     """``folder``'s config.json parsed by transformers' AutoConfig, once its ``model_type`` is known to be one of
-    jstd's families.
+    jstd's families; torch is not imported (``jstd.io.torchless.transformers``: the config's ``dtype`` stays a
+    string where torch was not imported before).
 
     Raises CheckpointError for a config.json that is not a JSON object, ValueError for a ``model_type`` jstd has
     no family for (listing them).
@@ -50,9 +52,8 @@ def hf_config(folder: Path):
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path} holds a JSON {type(raw).__name__}, not a config object; download it again")
     family_for(raw.get("model_type"), path)
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(folder)
+    with transformers() as hf:
+        return hf.AutoConfig.from_pretrained(folder)
 
 
 def supported_dtypes() -> tuple[str, ...]:
@@ -100,16 +101,16 @@ def unhandled(hf, family) -> dict[str, object]:
     transformers' base attributes, dropouts) aside. A wrapper's ``text_config`` and ``vision_config`` are checked
     against its text and tower families, their keys dotted (``text_config.sliding_window``). Keys the config class
     does not declare are not reported: transformers' model does not read them either."""
-    from transformers import PretrainedConfig
-
-    try:
-        default = type(hf)().to_dict()
-    except Exception:  # a config class that needs arguments: nothing to compare against
-        return {}
+    with transformers() as library:
+        base = set(library.PretrainedConfig().to_dict())
+        try:
+            default = type(hf)().to_dict()
+        except Exception:  # a config class that needs arguments: nothing to compare against
+            return {}
     parts = {}
     if hasattr(family, "text_family"):  # a wrapper: its text model and tower have their own families
         parts = {"text_config": family.text_family(hf), "vision_config": family.tower_for(hf)}
-    known = family.handled | GENERIC | set(PretrainedConfig().to_dict())
+    known = family.handled | GENERIC | base
     out = {}
     for key, value in hf.to_dict().items():
         if key in parts:
@@ -132,7 +133,13 @@ def warn_unhandled(hf, family, folder: Path) -> None:
 def plan(folder: Path, dtype) -> tuple:
     """What reading the HuggingFace checkpoint ``folder`` starts from: ``(hf config, family, parameter dtype,
     its SafetensorsFiles, the model's skeleton, the name map's entries)``, after every check that reads no
-    tensor (``ConfigWarning`` for unhandled config keys; ``mapped_entries``' CheckpointErrors)."""
+    tensor (``ConfigWarning`` for unhandled config keys; ``mapped_entries``' CheckpointErrors). The config is
+    read and used inside ``torchless.transformers()``, so that any import transformers makes resolves there."""
+    with transformers():
+        return _plan(folder, dtype)
+
+
+def _plan(folder: Path, dtype) -> tuple:
     hf = hf_config(folder)
     family = family_for(hf.model_type)
     dtype = param_dtype(dtype, hf)

@@ -26,10 +26,11 @@ def load(path_or_repo_id, *, dtype=None, mesh=None, rules=None):
 
     Each tensor is read once from the file straight into its slot of its
     stacked parameter's page-aligned buffer (tensors needing a transpose or a
-    cast through a scratch buffer of one tensor), and the CPU device adopts
-    each finished buffer without a copy: peak memory is the model plus one
-    tensor (the first load in a process also imports transformers, for
-    config.json, and transformers imports torch where it is installed). The source is never written. Config keys the family does not read
+    cast through a scratch buffer of at most 8 MiB, a part at a time), and the
+    CPU device adopts each finished buffer without a copy: peak memory is the
+    model plus one scratch buffer (the first load in a process also imports
+    transformers' config classes, about 30 MiB, in a private copy that never
+    imports torch: ``jstd.io.torchless``). The source is never written. Config keys the family does not read
     but that differ from transformers' defaults are reported in one
     ``ConfigWarning`` (``unhandled``).
 

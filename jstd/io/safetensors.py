@@ -185,17 +185,20 @@ class SafetensorsFiles:
         """The numpy dtype ``key`` is stored in."""
         return np.dtype(DTYPES[self.entries[key][1]])
 
-    def read_into(self, key: str, out: np.ndarray) -> None:
+    def read_into(self, key: str, out: np.ndarray, offset: int | None = None) -> None:
         """Read the bytes of tensor ``key`` into ``out``, a writable C-contiguous array of exactly its size (in
-        bytes: the caller chooses the view)."""
+        bytes: the caller chooses the view); with ``offset``, the ``out.nbytes`` bytes of the tensor from byte
+        ``offset`` on (a part of it). ValueError for a buffer that is not writable and contiguous, of another size
+        or (with ``offset``) reaching beyond the tensor."""
         f, dtype, shape, start = self.entries[key]
-        need = nbytes(shape, self.dtype(key))
-        if not out.flags.c_contiguous or not out.flags.writeable or out.nbytes != need:
+        need = nbytes(shape, self.dtype(key)) - (offset or 0)
+        if not out.flags.c_contiguous or not out.flags.writeable or out.nbytes != need and not (
+                offset is not None and offset >= 0 and 0 < out.nbytes <= need):
             raise ValueError(f"read_into: {key!r} needs a writable C-contiguous buffer of {need} bytes, got "
                              f"{out.nbytes} bytes (contiguous: {out.flags.c_contiguous})")
         view = as_bytes(out)
         with open(self.folder / f, "rb") as fh:
-            fh.seek(start)
+            fh.seek(start + (offset or 0))
             got = fh.readinto(view)
         if got != view.nbytes:
             raise CheckpointError(f"{f} is truncated at tensor {key!r}; download it again")

@@ -331,7 +331,7 @@ def _stacked_reads(period_reads: dict, tail_reads: dict) -> dict:
     period by period, then ``tail_reads`` (run -> site -> ``[len(run), ...]``)."""
     period_reads, tail_reads = ([by_run[qs] for qs in sorted(by_run)] for by_run in (period_reads, tail_reads))
     reads = {}
-    for site in {site for r in period_reads + tail_reads for site in r}:
+    for site in sorted({site for r in period_reads + tail_reads for site in r}):  # one program whatever the hash seed
         parts = [r[site] for r in period_reads if site in r]
         value = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
         value = value.reshape(-1, *value.shape[2:])
