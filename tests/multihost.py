@@ -5,7 +5,8 @@ The parent side (a test):
     results = launch([sys.executable, "tests/multihost_check.py", "cases.pkl"], processes=2, devices=4)
     results[i]          # what process i returned (``child.finish(value)``), unpickled
 
-starts ``processes`` copies of a program, each with ``devices`` simulated CPU
+starts ``processes`` copies of a program (``{coordinator}``, ``{process_id}`` and ``{processes}`` in its arguments
+filled in for each), each with ``devices`` simulated CPU
 devices and the coordinates of a ``jax.distributed`` job on a free port of
 127.0.0.1 (and never another address) in its environment; waits for them all
 within ``timeout`` seconds; on a failure (a child exiting non-zero, or the
@@ -94,7 +95,8 @@ def start(argv, processes: int = 2, devices: int = 4, workdir: Path | None = Non
         for i in range(processes):
             result = workdir / f"result-{i}.pkl"
             result.unlink(missing_ok=True)
-            children.append(Child(argv, child_env(i, processes, devices, port, result, env), workdir / f"log-{i}.txt",
+            argv_i = [a.format(coordinator=f"{LOOPBACK}:{port}", process_id=i, processes=processes) for a in argv]
+            children.append(Child(argv_i, child_env(i, processes, devices, port, result, env), workdir / f"log-{i}.txt",
                                   result))
     except BaseException:
         for c in children:
@@ -159,10 +161,11 @@ def join(timeout: int = 60) -> None:
     coordinator (``timeout`` seconds to find the other processes)."""
     import jax
 
+    import jstd
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=os.environ[ENV_COORDINATOR],
-                               num_processes=int(os.environ[ENV_PROCESSES]),
-                               process_id=int(os.environ[ENV_PROCESS_ID]), initialization_timeout=timeout)
+    jstd.sharding.initialize(os.environ[ENV_COORDINATOR], int(os.environ[ENV_PROCESSES]),
+                             int(os.environ[ENV_PROCESS_ID]), timeout=timeout)
 
 
 def finish(value) -> None:

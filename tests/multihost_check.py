@@ -177,6 +177,55 @@ def load_report(folder: str, mesh, rules) -> tuple[object, dict]:
                        equal=equal, stored=stored, devices=len(jax.local_devices()))
 
 
+COLLECT_SITES = ("layers.layer_output", "layers.1.mlp.mlp_neurons")
+COLLECT = dict(batch_size=4, max_length=24, lengths=(12, 24), shard_bytes=6_000, progress=False)
+KILL_AFTER = "JSTD_TEST_KILL_AFTER_SHARDS"  # process 1 SIGKILLs itself once its part lists this many shards
+
+
+def corpus(tok, documents: int = 30) -> list[str]:
+    """Texts of varied lengths (an empty one, some cut to ``max_length``)."""
+    rng = np.random.default_rng(0)
+    words = [tok.decode([i]) for i in range(10, 200)]
+    return [" ".join(rng.choice(words, int(n))) for n in rng.integers(0, 30, documents)]
+
+
+def kept(tokens, mask):
+    """Every real position (collect's positions function): process 1 SIGKILLs itself here mid-run when told to."""
+    import signal
+
+    import jax
+
+    after = int(os.environ.get(KILL_AFTER, "0"))
+    if after and jax.process_index() == 1:
+        import glob
+        import json
+
+        for index in glob.glob(os.path.join(os.environ["JSTD_TEST_OUT"], "part-00001-*", "index.json")):
+            with open(index) as f:
+                if len(json.load(f)["shards"]) >= after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+    return mask.astype(bool)
+
+
+def collect_main(folder: str, out: str) -> None:
+    """Both processes collect ``corpus`` on the model loaded across them (FSDP) into ``out``."""
+    import multihost
+
+    multihost.join()
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    import jstd
+
+    mesh = jstd.sharding.mesh(8, 1)
+    model = jstd.load(folder, mesh=mesh, rules=jstd.sharding.FSDP)
+    tok = jstd.load_processor(folder)
+    os.environ["JSTD_TEST_OUT"] = out
+    ds = jstd.collect(model, corpus(tok), COLLECT_SITES, out, processor=tok, positions=kept, **COLLECT)
+    multihost.finish(len(ds))
+    say("collected")
+
+
 def main(path: str) -> None:
     import multihost
 
@@ -208,4 +257,7 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(__file__))
-    main(sys.argv[1])
+    if sys.argv[1] == "collect":
+        collect_main(*sys.argv[2:])
+    else:
+        main(sys.argv[1])

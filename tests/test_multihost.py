@@ -23,13 +23,12 @@ HERE = Path(__file__).parent
 # load checks and a run with reads and edits, and the other programs are spread over the layouts (each program
 # costs a compile in both processes)
 ALL = ("run", "patch_sweep", "grad", "generate")
-CASES_ALL = {
-    "llama-gqa": {"FSDP": ALL, "TP": ALL, "FSDP_TP": ALL},
+CASES = {
+    "llama-gqa": {"FSDP": ALL, "TP": ("run", "grad"), "FSDP_TP": ("run", "patch_sweep", "generate")},
     "olmo_hybrid-rotary_grouped": {"FSDP": ("run", "grad"), "TP": ("run", "generate"), "FSDP_TP": ("run", "patch_sweep")},
     "qwen3_moe": {"FSDP": ("run", "generate"), "TP": ("run", "patch_sweep"), "FSDP_TP": ("run", "grad")},
     "llava": {"FSDP": ("run", "patch_sweep"), "TP": ("run", "grad"), "FSDP_TP": ("run", "generate")},
 }
-CASES = {"llama-gqa": {"FSDP": ALL}}
 PROCESSES = 2
 # float32 values "within 1e-6 of the logits' scale": |multi - single| <= 1e-6 * max|single| (a tenth of the
 # suite's usual 1e-5 relative bound); tokens exactly
@@ -42,19 +41,21 @@ def inputs_for(case):
     return np.random.default_rng(0).integers(0, case.model.config.vocab_size, (8, 7))
 
 
-def compare(got, want, name: str) -> None:
+def compare(got, want, name: str, scale: float | None = None) -> None:
+    """``got`` equals ``want`` (nested dicts and tuples of arrays): integers exactly, floats within 1e-6 of
+    ``scale`` (default: each array's own largest magnitude)."""
     if isinstance(want, dict):
         assert set(got) == set(want), (name, set(got), set(want))
         for k in want:
-            compare(got[k], want[k], f"{name}.{k}")
+            compare(got[k], want[k], f"{name}.{k}", scale)
     elif isinstance(want, (tuple, list)):
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            compare(g, w, f"{name}[{i}]")
+            compare(g, w, f"{name}[{i}]", scale)
     elif np.issubdtype(np.asarray(want).dtype, np.integer):
         np.testing.assert_array_equal(got, want, err_msg=name)
     else:
         w = np.asarray(want, np.float64)
-        scale = max(float(np.max(np.abs(w))), 1e-30) if w.size else 1.0
+        scale = scale or (max(float(np.max(np.abs(w))), 1e-30) if w.size else 1.0)
         diff = float(np.max(np.abs(np.asarray(got, np.float64) - w))) if w.size else 0.0
         assert diff <= TOLERANCE * scale, f"{name}: max |multi-process - single| {diff:.3g} > 1e-6 x scale {scale:.3g}"
 
@@ -82,6 +83,7 @@ def test_two_processes_equal_one(zoo, tmp_path):
             c.kill()
         raise
     results = multihost.wait(children, timeout=600)
+    print("".join(line for line in (tmp_path / "log-0.txt").read_text().splitlines(True) if line[:1] == " "))
     for name, _, _, layouts in cases:
         for layout, only in layouts.items():
             for p, result in enumerate(results):
@@ -97,3 +99,85 @@ def test_two_processes_equal_one(zoo, tmp_path):
                 for program in only:
                     compare(result[name, layout, program], want[name][program], f"{name} {layout} {program} "
                             f"(process {p})")
+
+
+INDUCTION = Path(__file__).parents[1] / "jstd" / "assets" / "induction-llama"
+
+
+def test_collect_across_processes_resumes_after_a_kill(tmp_path):
+    """jstd.collect with the model across 2 processes: each collects its share of the corpus into its part, the
+    folder reads as one dataset equal row for row to one process's collection; with process 1 SIGKILLed mid-run,
+    the rerun resumes without losing or duplicating a row."""
+    import jstd
+    from multihost_check import COLLECT, COLLECT_SITES, KILL_AFTER, corpus
+
+    argv = [sys.executable, str(HERE / "multihost_check.py"), "collect", str(INDUCTION)]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    children = multihost.start(argv + [str(whole)], PROCESSES, 4, tmp_path / "run-whole")
+    try:  # one process's collection, while the processes run
+        model, tok = jstd.load(INDUCTION), jstd.load_processor(INDUCTION)
+        want = jstd.collect(model, corpus(tok), COLLECT_SITES, tmp_path / "single", processor=tok, **COLLECT)
+    except BaseException:
+        for c in children:
+            c.kill()
+        raise
+    multihost.wait(children, timeout=300)
+    got = jstd.ActivationDataset(whole)
+    assert_same_rows(got, want)
+    assert {s["file"].split("/")[0] for s in got.index["shards"]} == {"part-00000-of-00002", "part-00001-of-00002"}
+
+    with pytest.raises(AssertionError, match="process 1 of 2 exited with -9"):  # SIGKILL: the harness kills 0 too
+        multihost.launch(argv + [str(killed)], PROCESSES, 4, timeout=300, workdir=tmp_path / "run-killed",
+                         env={KILL_AFTER: "1"})
+    part = jstd.ActivationDataset(killed / "part-00001-of-00002", partial=True)
+    assert not part.index["complete"] and len(part.index["shards"]) >= 1
+    multihost.launch(argv + [str(killed)], PROCESSES, 4, timeout=300, workdir=tmp_path / "run-rerun")
+    assert_same_rows(jstd.ActivationDataset(killed), want)
+
+
+def assert_same_rows(got, want) -> None:
+    assert len(got) == len(want) and got.index["complete"]
+    for name in ("document", "position", "token"):
+        np.testing.assert_array_equal(getattr(got.rows, name), getattr(want.rows, name), err_msg=name)
+    for site in want.sites:
+        compare(got.read(site), want.read(site), f"collect {site}")
+
+
+def test_script_on_two_processes(tmp_path):
+    """scripts/multihost.py as documented for GPU hosts (--distributed --coordinator --processes --process-id), on
+    2 processes x 4 devices under FSDP_TP: process 0's logit differences and patching grid are one process's."""
+    import jax
+    import jstd
+
+    saved = tmp_path / "results.npz"
+    script = HERE.parent / "scripts" / "multihost.py"
+    multihost.launch([sys.executable, str(script), str(INDUCTION), "--layout", "FSDP_TP", "--model-axis", "2",
+                      "--distributed", "--coordinator", "{coordinator}", "--processes", "{processes}",
+                      "--process-id", "{process_id}", "--timeout", "60", "--save", str(saved)],
+                     PROCESSES, 4, timeout=300, workdir=tmp_path)
+    got = np.load(saved)
+    model = jstd.load(INDUCTION)
+    rows = 4  # the script's prompts: one a row of the data axis (8 devices / model axis 2)
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (rows, 16))
+    logits = jax.jit(jstd.run)(model, tokens).logits
+    scale = float(np.max(np.abs(logits)))  # (differences of logits: within 1e-6 of the logits' scale)
+    compare(got["difference"], np.asarray(logits[:, -1, 1] - logits[:, -1, 2]), "script logit difference", scale)
+    grid = jstd.patch_sweep(model, tokens[:1], tokens[1:2], "layers.layer_output", jstd.logit_difference(1, 2),
+                            progress=False)
+    compare(got["grid"], np.asarray(grid), "script patching grid", scale)
+
+
+def test_unreachable_coordinator_is_a_clear_error_in_time():
+    """A process that cannot reach the coordinator raises ConnectionError naming it within the timeout, before
+    jax.distributed is touched (JAX alone aborts the process with a gRPC deadline, or waits)."""
+    import time
+
+    import jstd
+
+    port = multihost.free_port()  # nobody listens there
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=rf"could not reach the coordinator at 127.0.0.1:{port} within 2 s"):
+        jstd.sharding.initialize(f"127.0.0.1:{port}", 2, 1, timeout=2)
+    assert time.monotonic() - start < 10
+    with pytest.raises(ValueError, match="is not HOST:PORT"):
+        jstd.sharding.initialize("127.0.0.1", 2, 1, timeout=1)
