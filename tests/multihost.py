@@ -39,6 +39,9 @@ ENV_COORDINATOR = "JSTD_TEST_COORDINATOR"
 ENV_PROCESSES = "JSTD_TEST_PROCESSES"
 ENV_PROCESS_ID = "JSTD_TEST_PROCESS_ID"
 ENV_RESULT = "JSTD_TEST_RESULT"
+# XLA's CPU backend at its lowest optimization level (as tests/test_sharding.py's subprocess): compiles about twice
+# as fast; the values move by a rounding at most
+FAST = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def free_port() -> int:
@@ -52,9 +55,11 @@ def child_env(process_id: int, processes: int, devices: int, port: int, result: 
               ) -> dict:
     """The environment of child ``process_id``: simulated devices, the job's coordinates, where its result goes."""
     flags = os.environ.get("XLA_FLAGS", "")
-    flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+    flags = " ".join(f for f in flags.split() if not f.startswith(("--xla_force_host_platform_device_count",
+                                                                   "--xla_backend_optimization_level",
+                                                                   "--xla_llvm_disable_expensive_passes")))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
+           "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}{FAST}".strip(),
            ENV_COORDINATOR: f"{LOOPBACK}:{port}", ENV_PROCESSES: str(processes), ENV_PROCESS_ID: str(process_id),
            ENV_RESULT: str(result)}
     return {**env, **(extra or {})}

@@ -38,8 +38,7 @@ def say(line: str) -> None:
 
 def reads_for(model) -> tuple[str, ...]:
     """The values read besides the logits, where the model has them (each read forces its computation)."""
-    wanted = ("layers.layer_output", "layers.self_attn.attention_probabilities", "layers.mlp.mlp_activation",
-              "layers.linear_attn.states", "vision.layers.layer_output")
+    wanted = ("layers.layer_output", "layers.linear_attn.states", "vision.layers.layer_output")
     return tuple(s for s in wanted if s in model.sites)
 
 
@@ -47,6 +46,17 @@ def tokens_of(inputs):
     import jstd
 
     return inputs.tokens if isinstance(inputs, jstd.Inputs) else inputs
+
+
+def rows(inputs, r: int):
+    """Row ``r`` of a token array or of a ``jstd.Inputs`` whose rows hold one image each."""
+    import jstd
+
+    if not isinstance(inputs, jstd.Inputs):
+        return inputs[r:r + 1]
+    cut = lambda x: None if x is None else x[r:r + 1]
+    images = None if inputs.images is None else {k: cut(v) for k, v in inputs.images.items()}
+    return jstd.Inputs(cut(inputs.tokens), cut(inputs.attention_mask), images, inputs.layout)
 
 
 def programs(model, inputs, mesh=None, rules=None, only=None) -> dict[str, object]:
@@ -80,7 +90,8 @@ def programs(model, inputs, mesh=None, rules=None, only=None) -> dict[str, objec
     tokens = np.asarray(tokens_of(inputs))
     a, b = int(tokens[0, 1]), int(tokens[0, 2])
     if only is None or "patch_sweep" in only:
-        out["patch_sweep"] = host(jstd.patch_sweep(model, tokens[:1], tokens[1:2], "layers.layer_output",
+        clean, corrupt = rows(inputs, 0), rows(inputs, 1)
+        out["patch_sweep"] = host(jstd.patch_sweep(model, clean, corrupt, "layers.layer_output",
                                                    jstd.logit_difference(a, b), mesh=mesh, progress=False))
     if only is None or "grad" in only:
         def metric(vector, model, placed):  # (arrays across processes are arguments: jit refuses to close over them)

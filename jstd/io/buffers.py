@@ -125,6 +125,12 @@ def fill_part(files: SafetensorsFiles, entry, keys: list[str], shape, index: tup
     np.copyto(out, laid, casting="unsafe")
 
 
+def sliced_shape(shape: tuple[int, ...], index: tuple) -> tuple[int, ...]:
+    """The shape of ``x[index]`` for ``x`` of ``shape`` (``index``: slices, fewer than the axes allowed)."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+
+
 def _read_runs(files: SafetensorsFiles, keys: list[str], starts: np.ndarray, buf: np.ndarray) -> None:
     """``buf[j]`` (one contiguous row of bytes each) from byte ``starts[j]`` of the tensors ``keys`` stored one
     after another (a run that crosses from one part to the next is read from each)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jstd.io.buffers import Scratch, aligned_buffer, fill_entry, fill_part
+from jstd.io.buffers import Scratch, aligned_buffer, fill_entry, fill_part, sliced_shape
 from jstd.io.hf import plan, with_generation_ids
 from jstd.io.hub import resolve
 from jstd.io.safetensors import SafetensorsFiles
@@ -80,19 +80,14 @@ def _read_parts(files: SafetensorsFiles, entry, leaf: jax.ShapeDtypeStruct, scra
 
     def part(index: tuple) -> np.ndarray:
         if not entry.stacked:
-            out = np.empty(_sliced(shape, index), dtype)
+            out = np.empty(sliced_shape(shape, index), dtype)
             fill_part(files, entry, list(entry.keys), shape, index, out, scratch)
             return out
         rows = entry.blocks[index[0]]
-        out = np.empty((len(rows),) + _sliced(shape, index[1:]), dtype)
+        out = np.empty((len(rows),) + sliced_shape(shape, index[1:]), dtype)
         for row, i in enumerate(rows):
             fill_part(files, entry, [k.format(i=i) for k in entry.keys], shape, index[1:], out[row], scratch)
         return out
 
     return place.shards(entry.path, leaf.shape, part)
 
-
-def _sliced(shape: tuple[int, ...], index: tuple) -> tuple[int, ...]:
-    """The shape of ``x[index]`` for ``x`` of ``shape`` (``index``: slices, fewer than the axes allowed)."""
-    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-    return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
