@@ -180,3 +180,56 @@ def test_unreachable_coordinator_is_a_clear_error_in_time():
     assert time.monotonic() - start < 10
     with pytest.raises(ValueError, match="is not HOST:PORT"):
         jstd.sharding.initialize("127.0.0.1", 2, 1, timeout=1)
+
+
+def test_a_part_reads_only_its_byte_ranges(tmp_path):
+    """fill_part (what jstd.load reads for one device's part on a mesh): for every transform kind the name maps use
+    (a transpose, heads split out or in, a fused tensor's rows, parts stored as two tensors), each part equals the
+    transformed tensor's part, and the reads cover exactly the bytes that part needs, each once."""
+    import ml_dtypes
+
+    from jstd.io import safetensors
+    from jstd.io.buffers import Scratch, fill_part
+    from jstd.nn.namemap import Entry, linear, split_in, split_out
+
+    rng = np.random.default_rng(0)
+    tensors = {"w": rng.normal(size=(12, 16)).astype(np.float32), "a": rng.normal(size=(4, 16)).astype(np.float32),
+               "b": rng.normal(size=(8, 16)).astype(np.float32),
+               "h": rng.normal(size=(12, 16)).astype(ml_dtypes.bfloat16)}
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        safetensors.write_tensors(f, tensors)
+    files = safetensors.SafetensorsFiles(tmp_path)
+    whole = np.concatenate([tensors["a"], tensors["b"]])
+    cases = [(Entry("w", "w", linear), ["w"], tensors["w"]), (Entry("w", "w", split_out(4)), ["w"], tensors["w"]),
+             (Entry("w", "w", split_in(4)), ["w"], tensors["w"]), (Entry("w", "w", lambda w: w[4:10]), ["w"], tensors["w"]),
+             (Entry(("a", "b"), "ab", linear), ["a", "b"], whole), (Entry("h", "h", linear), ["h"], tensors["h"]),
+             (Entry("w", "w", lambda w: w * 2), ["w"], tensors["w"])]  # a computed transform: read whole
+    log = []
+    original = safetensors.SafetensorsFiles.read_range
+
+    def recording(self, key, start, out, fh=None):
+        log.append((key, start, start + out.nbytes))
+        return original(self, key, start, out, fh)
+
+    for entry, keys, stored in cases:
+        want = entry.transform(stored)
+        for index in [(slice(0, want.shape[0] // 2),), (slice(None), slice(1, 3)), (slice(2, 3),) * want.ndim]:
+            out = np.empty(want[index].shape, np.float32)
+            log.clear()
+            safetensors.SafetensorsFiles.read_range = recording
+            try:
+                fill_part(files, entry, keys, want.shape, index, out, Scratch())
+            finally:
+                safetensors.SafetensorsFiles.read_range = original
+            np.testing.assert_array_equal(out, want[index].astype(np.float32))
+            ids = entry.transform(np.arange(stored.size).reshape(stored.shape))
+            computed = not np.shares_memory(entry.transform(stored), stored)
+            need = np.zeros(stored.size, bool)
+            if not computed:
+                need[np.asarray(ids[index]).ravel()] = True
+            got = np.zeros(stored.size, int)
+            item, first = stored.dtype.itemsize, {k: sum(tensors[j].size for j in keys[:keys.index(k)]) for k in keys}
+            for key, a, b in log:
+                got[first[key] + a // item:first[key] + b // item] += 1
+            expected = np.ones(stored.size, int) if computed else need.astype(int)
+            np.testing.assert_array_equal(got, expected, err_msg=f"{entry.path} {index}: bytes read")
