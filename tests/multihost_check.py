@@ -189,7 +189,7 @@ def load_report(folder: str, mesh, rules) -> tuple[object, dict]:
 
 
 COLLECT_SITES = ("layers.layer_output", "layers.1.mlp.mlp_neurons")
-COLLECT = dict(batch_size=4, max_length=24, lengths=(12, 24), shard_bytes=6_000, progress=False)
+COLLECT = dict(batch_size=4, max_length=24, lengths=(12, 24), shard_bytes=30_000, progress=False)
 KILL_AFTER = "JSTD_TEST_KILL_AFTER_SHARDS"  # process 1 SIGKILLs itself once its part lists this many shards
 
 

@@ -24,7 +24,10 @@ HERE = Path(__file__).parent
 ALL = ("run", "patch_sweep", "grad", "generate")
 CASES = {
     "llama-gqa": {"FSDP": ALL, "TP": ("run",), "FSDP_TP": ("run",)},
-    "olmo_hybrid-rotary_grouped": {"FSDP": ("run", "patch_sweep"), "TP": ("run", "generate"), "FSDP_TP": ("run", "grad")},
+    # (the widest OLMo-Hybrid case: DeltaNet's convolutions, decays and output norm have no embed axis and stay whole
+    # under FSDP, on each of a process's 4 devices: 7% of the weights at hidden size 32, 3.8% at 64, nothing at
+    # published sizes)
+    "olmo_hybrid-tail": {"FSDP": ("run", "patch_sweep"), "TP": ("run", "generate"), "FSDP_TP": ("run", "grad")},
     "qwen3_moe": {"FSDP": ("run", "generate"), "TP": ("run", "grad"), "FSDP_TP": ("run", "patch_sweep")},
     "llava": {"FSDP": ("run", "grad"), "TP": ("run", "patch_sweep"), "FSDP_TP": ("run", "generate")},
 }
@@ -104,15 +107,15 @@ INDUCTION = Path(__file__).parents[1] / "jstd" / "assets" / "induction-llama"
 
 
 def test_collect_across_processes_resumes_after_a_kill(tmp_path):
-    """jstd.collect with the model across 2 processes: each collects its share of the corpus into its part, the
-    folder reads as one dataset equal row for row to one process's collection; with process 1 SIGKILLed mid-run,
-    the rerun resumes without losing or duplicating a row."""
+    """jstd.collect with the model across 2 processes, process 1 SIGKILLed mid-run (after its second shard), then
+    the job rerun: each process collects its share of the corpus into its part, resumed where it stopped, and the
+    folder reads as one dataset equal row for row to one process's collection (no row lost or repeated)."""
     import jstd
     from multihost_check import COLLECT, COLLECT_SITES, KILL_AFTER, corpus
 
     argv = [sys.executable, str(HERE / "multihost_check.py"), "collect", str(INDUCTION)]
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    children = multihost.start(argv + [str(whole)], PROCESSES, 4, tmp_path / "run-whole")
+    out = tmp_path / "collected"
+    children = multihost.start(argv + [str(out)], PROCESSES, 4, tmp_path / "run-killed", env={KILL_AFTER: "2"})
     try:  # one process's collection, while the processes run
         model, tok = jstd.load(INDUCTION), jstd.load_processor(INDUCTION)
         want = jstd.collect(model, corpus(tok), COLLECT_SITES, tmp_path / "single", processor=tok, **COLLECT)
@@ -120,18 +123,16 @@ def test_collect_across_processes_resumes_after_a_kill(tmp_path):
         for c in children:
             c.kill()
         raise
-    multihost.wait(children, timeout=300)
-    got = jstd.ActivationDataset(whole)
-    assert_same_rows(got, want)
-    assert {s["file"].split("/")[0] for s in got.index["shards"]} == {"part-00000-of-00002", "part-00001-of-00002"}
-
     with pytest.raises(AssertionError, match="process 1 of 2 exited with -9"):  # SIGKILL: the harness kills 0 too
-        multihost.launch(argv + [str(killed)], PROCESSES, 4, timeout=300, workdir=tmp_path / "run-killed",
-                         env={KILL_AFTER: "1"})
-    part = jstd.ActivationDataset(killed / "part-00001-of-00002", partial=True)
-    assert not part.index["complete"] and len(part.index["shards"]) >= 1
-    multihost.launch(argv + [str(killed)], PROCESSES, 4, timeout=300, workdir=tmp_path / "run-rerun")
-    assert_same_rows(jstd.ActivationDataset(killed), want)
+        multihost.wait(children, timeout=300)
+    parts = [jstd.ActivationDataset(out / f"part-0000{p}-of-00002", partial=True) for p in range(PROCESSES)]
+    assert not parts[1].index["complete"] and len(parts[1].index["shards"]) >= 2, parts[1].index["shards"]
+    assert not (out / "index.json").exists()
+    multihost.launch(argv + [str(out)], PROCESSES, 4, timeout=300, workdir=tmp_path / "run-rerun")
+    got = jstd.ActivationDataset(out)
+    assert_same_rows(got, want)  # no row lost or repeated, every value the single process's
+    assert [s["file"].split("/")[0] for s in got.index["shards"]] == sorted(s["file"].split("/")[0]
+                                                                            for s in got.index["shards"])
 
 
 def assert_same_rows(got, want) -> None:
