@@ -237,7 +237,7 @@ def _parameter(files: SafetensorsFiles, path: str, leaf, scratch: Scratch) -> np
         files.read_into(path, buf)
         return buf
     buf = aligned_buffer(leaf.shape, np.dtype(leaf.dtype))
-    raw = scratch.get(shape, have)
+    raw = scratch.get(tuple(leaf.shape), have)
     files.read_into(path, raw)
     np.copyto(buf, raw, casting="unsafe")
     return buf
