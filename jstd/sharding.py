@@ -71,6 +71,44 @@ EP: tuple = FSDP + (("experts", MODEL),) + tuple((name, MODEL) for name in _TP_N
 LAYOUTS = {"DP": DP, "FSDP": FSDP, "TP": TP, "FSDP_TP": FSDP_TP, "EP": EP}
 
 
+def initialize(coordinator: str | None = None, processes: int | None = None, process_id: int | None = None, *,
+               timeout: float = 120.0) -> None:
+    """Join a multi-process job (one process per host: ``jax.distributed.initialize``), first thing, before
+    anything touches a device; then ``jax.devices()`` lists every host's devices and ``mesh()`` spans them.
+
+    ``coordinator`` (``"HOST:PORT"`` of process 0), ``processes`` and ``process_id``: as ``jax.distributed``
+    takes them (all None on a TPU pod slice or under SLURM, where JAX finds them itself). A process other than
+    0 first waits, up to ``timeout`` seconds, for the coordinator's port to accept a connection, and raises
+    ConnectionError naming the address when it never does (JAX itself would abort the process with a gRPC
+    deadline after its own timeout, or wait on); the job's other processes then have ``timeout`` seconds to
+    join. On the CPU the collectives between processes go over gloo.
+    """
+    import socket
+    import time
+
+    if jax.config.jax_cpu_collectives_implementation in (None, "none", ""):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if coordinator is not None and process_id not in (None, 0):
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"coordinator {coordinator!r} is not HOST:PORT (process 0's address and a free port)")
+        deadline, error = time.monotonic() + timeout, None
+        while True:
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout)).close()
+                break
+            except OSError as e:
+                error = e
+            if time.monotonic() > deadline:
+                raise ConnectionError(
+                    f"process {process_id} of {processes} could not reach the coordinator at {coordinator} within "
+                    f"{timeout:.0f} s ({error}): start process 0 there (it listens on that port), check that this "
+                    "host can reach that address and port (a firewall, the host's name), and pass every process "
+                    "the same coordinator and process count") from None
+            time.sleep(0.25)
+    jax.distributed.initialize(coordinator, processes, process_id, initialization_timeout=int(max(timeout, 1)))
+
+
 def mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
     """A 2-D ``Mesh`` with axes ``("data", "model")`` over ``devices`` (default: every device, all hosts).
 

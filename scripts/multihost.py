@@ -32,15 +32,18 @@ def main() -> None:
     parser.add_argument("--coordinator", help="HOST:PORT of process 0 (where no cluster manager says it)")
     parser.add_argument("--processes", type=int)
     parser.add_argument("--process-id", type=int)
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="seconds to reach the coordinator and for every process to join (then a clear error)")
+    parser.add_argument("--save", help="process 0 writes the results here (.npz: logit differences, the grid)")
     args = parser.parse_args()
 
     import jax
-
-    if args.distributed:  # before anything touches a device
-        jax.distributed.initialize(args.coordinator, args.processes, args.process_id)
     import numpy as np
 
     import jstd
+
+    if args.distributed:  # before anything touches a device
+        jstd.sharding.initialize(args.coordinator, args.processes, args.process_id, timeout=args.timeout)
 
     mesh = jstd.sharding.mesh(model=args.model_axis)  # every device of every host
     rules = jstd.sharding.LAYOUTS[args.layout]
@@ -63,6 +66,8 @@ def main() -> None:
                             jstd.logit_difference(1, 2), mesh=mesh, progress=main_process)
     if main_process:
         print("patching grid [layers, positions]:", grid.shape, "max", float(np.max(np.asarray(grid))))
+        if args.save:
+            np.savez(args.save, difference=np.asarray(diff.addressable_data(0)), grid=np.asarray(grid))
 
 
 if __name__ == "__main__":

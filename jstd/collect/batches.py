@@ -221,3 +221,16 @@ def select_rows(batch: Batch, positions: str | PositionFn) -> tuple[Int[np.ndarr
     r, p = np.nonzero(keep)
     return (r * tokens.shape[1] + p), RowsMeta(batch.document[r].astype(np.int64), where[r, p].astype(np.int32),
                                                tokens[r, p].astype(np.int32))
+
+
+def padded(batch: Batch, seq: int) -> Batch:
+    """``batch`` left-padded to ``seq`` positions (masked out: the real positions' values do not change)."""
+    tokens = np.asarray(batch.inputs.tokens)
+    pad = seq - tokens.shape[1]
+    if pad <= 0:
+        return batch
+    mask = np.asarray(batch.inputs.attention_mask)
+    tokens = np.concatenate([np.repeat(tokens[:, :1], pad, axis=1), tokens], axis=1)
+    mask = np.concatenate([np.zeros((len(mask), pad), mask.dtype), mask], axis=1)
+    return _rows_batch(tokens, mask, batch.document, batch.real, batch.documents, batch.inputs.images,
+                       batch.inputs.layout)

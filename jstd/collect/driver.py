@@ -22,6 +22,8 @@ from jaxtyping import Array, Int
 from jstd.collect.batches import (Batches, PositionFn, RowsMeta, bucket_lengths, corpus_batches, corpus_source,
                                   select_rows)
 from jstd.collect.dataset import ActivationDataset, bfloat16_safe, sparse_names
+from jstd.collect.processes import (check_batch_size, check_top, merge_parts, numbered, part_name, run_across,
+                                    spanned_mesh, split_corpus)
 from jstd.collect.resume import ResumeCheck, edits_key, model_key, positions_key, prepare
 from jstd.collect.writer import ShardWriterThread
 from jstd.core.edits import as_edits
@@ -87,6 +89,12 @@ def collect(
     other settings or texts (naming the difference), SiteError for sites without a token axis or that the
     model lacks, and the OSError of a failed write (a full disk) after the complete shards are recorded:
     never a silently short dataset.
+
+    Across processes (``jax.distributed``; a model whose arrays span them, as ``jstd.load(path, mesh=)`` places
+    it on a pod slice): every process makes the same call into one shared folder, collects its contiguous share
+    of the corpus (``data``: a list of texts, a ``datasets.Dataset`` or a ``jstd.Inputs``; ``batch_size`` rows a
+    process each step) into its own part, and ``out_dir`` reads as one dataset equal, row for row, to one
+    process's collection of the whole corpus; a rerun resumes every part (``jstd/collect/processes.py``).
     """
     model, path = _as_model(model)
     sites = (sites,) if isinstance(sites, str) else tuple(sites)
@@ -96,6 +104,12 @@ def collect(
     positions_setting = positions_key(positions)
     write_dtype = None if dtype is None else _floating(dtype)
 
+    mesh = spanned_mesh(model)  # a model across processes: each process collects its share into its own part
+    top, first = Path(out_dir), 0
+    if mesh is not None:
+        check_top(top)
+        check_batch_size(mesh, batch_size)
+        data, first = split_corpus(data, jax.process_index(), jax.process_count())
     kind, source = corpus_source(data, column)
     processor = _text_processor(kind, processor, path)
     settings = dict(sites=list(sites), positions=positions_setting, batch_size=batch_size, max_length=max_length,
@@ -103,19 +117,35 @@ def collect(
                     data=kind, column=column if kind == "texts" else None, shard_bytes=int(shard_bytes))
     if sparse:  # (absent when none is: collections written before sparse sites resume as they were)
         settings["sparse"] = list(sparse)
-    out = Path(out_dir)
+    out = top
+    if mesh is not None:
+        out = top / part_name(jax.process_index(), jax.process_count())
+        settings.update(processes=jax.process_count(), share=[jax.process_index(), first])
     index = prepare(out, settings, model, path, layouts)
 
     batches = corpus_batches(kind, source, processor, batch_size, max_length, lengths, model.config.vocab_size)
     check = ResumeCheck(out, index)
-    writer = ShardWriterThread(out, index, sites, shard_bytes, progress, hasher=check.hasher, sparse=sparse)
+    writer = ShardWriterThread(out, index, sites, shard_bytes, progress and jax.process_index() == 0,
+                               hasher=check.hasher, sparse=sparse)
     edits_tuple = as_edits(edits)
     try:
-        documents = _run_batches(model, batches, check, writer, sites, positions, edits_tuple, write_dtype)
+        if mesh is None:
+            documents = _run_batches(model, batches, check, writer, sites, positions, edits_tuple, write_dtype)
+        else:
+            documents = run_across(model, mesh, numbered(batches, first), check, writer, sites, positions,
+                                   edits_tuple, write_dtype, batch_size, _step)
         writer.finish(documents, batches.truncated)
     except BaseException:
         writer.abort()
         raise
+    if mesh is not None:  # every part complete: process 0 lists them as one collection
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jstd.collect: parts written")
+        if jax.process_index() == 0:
+            merge_parts(top, jax.process_count())
+        multihost_utils.sync_global_devices("jstd.collect: index written")
+        out = top
     if batches.truncated:
         warnings.warn(f"jstd.collect: {batches.truncated} of {documents} documents were longer than "
                       f"max_length={max_length} tokens and were cut to their first {max_length}", stacklevel=2)

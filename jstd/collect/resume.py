@@ -21,6 +21,7 @@ from jaxtyping import Array, Float, Int
 from jstd.collect.batches import PositionFn
 from jstd.collect.fingerprint import function_key
 from jstd.collect.dataset import FORMAT, INDEX, ROW_MAP, VERSION, read_index, write_json
+from jstd.core.checks import host_value, spans_processes
 from jstd.core.edits import as_edits
 from jstd.core.memo import per_model
 
@@ -142,11 +143,12 @@ def model_key(model) -> str:
     """A fingerprint of the model: family, config, and every weight's shape, dtype, sum and sum of squares
     (computed once per model object)."""
     leaves = [x for x in jax.tree.leaves(model) if hasattr(x, "shape")]
-    if all(d.platform == "cpu" for x in leaves for d in getattr(x, "devices", lambda: ())()):
+    if all(d.platform == "cpu" for x in leaves for d in getattr(x, "devices", lambda: ())()) and not any(
+            map(spans_processes, leaves)):
         sums = np.asarray([[np.sum(a, dtype=np.float64), np.sum(np.square(a, dtype=np.float64))]
                            for a in map(np.asarray, leaves)])  # on the host's own memory: no copy, no compile
     else:
-        sums = np.asarray(_sums(leaves))
+        sums = host_value(_sums(leaves))  # (across processes: the same sums on every process)
     h = hashlib.sha256(f"{model.family} {model.config!r}".encode())
     for x in leaves:
         h.update(f"{x.shape}{x.dtype}".encode())

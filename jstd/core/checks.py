@@ -60,11 +60,11 @@ def checked(x: ArrayLike, bad: Callable, message: str, *, concrete: Callable[[np
     """``x`` checked: ``bad(xp, x)`` (with ``xp`` numpy for a concrete ``x``, jax.numpy for a traced one) is a
     boolean array, True where ``x`` is bad.
 
-    Concrete: raises ``error(concrete(values, flags))`` (``values``: ``x`` as numpy; ``flags``: the boolean array;
+    Concrete (or a concrete array spanning several processes, checked on its devices): raises ``error(concrete(values, flags))`` (``values``: ``x`` as numpy; ``flags``: the boolean array;
     default ``message``) when any flag is set, else returns ``x`` unchanged. Traced: returns ``x`` with the check
     attached through a scalar; the compiled call fails with ``message`` when any flag is set.
     """
-    if not is_traced(x):
+    if not is_traced(x) and not spans_processes(x):
         values = np.asarray(x)
         flags = np.asarray(bad(np, values))
         if flags.any():
@@ -73,7 +73,27 @@ def checked(x: ArrayLike, bad: Callable, message: str, *, concrete: Callable[[np
     if trusting():
         return x
     flag = jnp.asarray(bad(jnp, x)).any()
+    if not is_traced(flag):  # an array across processes, outside a trace: the check ran on the devices
+        if bool(flag):  # (replicated: every process takes the same branch)
+            values = host_value(x)
+            raise error(message if concrete is None else concrete(values, np.asarray(bad(np, values))))
+        return x
     return x + eqx.error_if(jnp.zeros((), x.dtype), flag, message)
+
+
+def spans_processes(x) -> bool:
+    """A ``jax.Array`` with shards on other processes' devices (``jax.distributed``): numpy cannot read it here."""
+    return isinstance(x, jax.Array) and not is_traced(x) and not x.is_fully_addressable
+
+
+def host_value(x: ArrayLike) -> np.ndarray:
+    """``x`` whole as numpy. A ``jax.Array`` spanning several processes (``jax.distributed``) is gathered from all
+    of them (``process_allgather``: a collective, so every process calls it, as SPMD programs do)."""
+    if spans_processes(x):
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def shown(bad: np.ndarray) -> str:

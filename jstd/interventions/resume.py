@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jstd.core.checks import trusted
+from jstd.core.checks import host_value, trusted
 from jstd.core.jit import device_array
 from jstd.core.context import Context
 from jstd.interventions.chunking import fit
@@ -135,7 +135,7 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     for layer in progress(layers):
         per_layer = []
         for c in range(chunks):
-            per_layer.append(np.asarray(chunk(model, corrupt, attention_mask, corrupt_out, clean_values, metric,
+            per_layer.append(host_value(chunk(model, corrupt, attention_mask, corrupt_out, clean_values, metric,
                                               chunk_rows(padded, c * size, size), device_array(np.int32(layer)),
                                               site, split_heads)))
         values = np.concatenate(per_layer)[:n_rows]  # [rows, slots, *metric]

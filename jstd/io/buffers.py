@@ -39,13 +39,11 @@ class Scratch:
         return self.raw[:n].view(dtype).reshape(shape)
 
 
-def fill(files: SafetensorsFiles, entry, keys: list[str], slot: np.ndarray, scratch: Scratch) -> None:
-    """The tensor stored under ``keys`` (parts concatenated along axis 0), transformed, into ``slot``, shape-checked.
-
-    When the transform keeps the stored bytes' order and dtype (the identity, reshapes) the file is read straight
-    into ``slot``; otherwise into ``scratch``, then copied once, transformed (and cast), into ``slot`` — a part of
-    at most ``CHUNK_BYTES`` at a time where the transform is a view cut along one axis into ranges of the stored
-    bytes (a transpose, a split into heads: ``_outer_axis``), so the transient is never a whole large tensor."""
+def _stored(files: SafetensorsFiles, entry, keys: list[str], shape) -> tuple[tuple, np.dtype, np.ndarray, np.ndarray]:
+    """``(the stored shape, its dtype, probe, mapped)``: the tensor stored under ``keys`` (parts concatenated along
+    axis 0) checked to concatenate, to be floating and to map to ``shape`` through ``entry.transform``; ``probe``,
+    an untouched array of the stored shape (only its layout after the transform is looked at), and ``mapped``, the
+    transform of it."""
     shapes = [files.shape(k) for k in keys]
     dtypes = {files.dtype(k) for k in keys}
     name = keys[0] if len(keys) == 1 else " + ".join(keys)
@@ -58,13 +56,25 @@ def fill(files: SafetensorsFiles, entry, keys: list[str], slot: np.ndarray, scra
                               "checkpoint?); jstd loads floating-point weights: dequantize them first (load the "
                               "model with transformers and save_pretrained it in bfloat16)")
     stored = shapes[0] if len(keys) == 1 else (sum(s[0] for s in shapes), *shapes[0][1:])
-    probe = np.empty(stored, dtype)  # never touched: only its layout after the transform is looked at
-    mapped = entry.transform(probe)
-    if mapped.shape != slot.shape:
+    probe = np.empty(stored, dtype)  # never touched
+    with np.errstate(all="ignore"):  # (a transform that computes computes on garbage)
+        mapped = entry.transform(probe)
+    if mapped.shape != tuple(shape):
         raise CheckpointError(
             f"tensor {name!r} in {files.where(keys[0])} has shape {' + '.join(map(str, shapes))}, "
-            f"which maps to {mapped.shape}; the config implies {slot.shape} for {entry.path}"
+            f"which maps to {mapped.shape}; the config implies {tuple(shape)} for {entry.path}"
         )
+    return stored, dtype, probe, mapped
+
+
+def fill(files: SafetensorsFiles, entry, keys: list[str], slot: np.ndarray, scratch: Scratch) -> None:
+    """The tensor stored under ``keys`` (parts concatenated along axis 0), transformed, into ``slot``, shape-checked.
+
+    When the transform keeps the stored bytes' order and dtype (the identity, reshapes) the file is read straight
+    into ``slot``; otherwise into ``scratch``, then copied once, transformed (and cast), into ``slot`` — a part of
+    at most ``CHUNK_BYTES`` at a time where the transform is a view cut along one axis into ranges of the stored
+    bytes (a transpose, a split into heads: ``_outer_axis``), so the transient is never a whole large tensor."""
+    stored, dtype, probe, mapped = _stored(files, entry, keys, slot.shape)
     # (the whole tensor, in order: a slice that starts at the stored bytes, a fused tensor's first part, is not)
     direct = (dtype == slot.dtype and mapped.dtype == dtype and mapped.flags.c_contiguous
               and mapped.ctypes.data == probe.ctypes.data and mapped.size == probe.size)
@@ -75,9 +85,10 @@ def fill(files: SafetensorsFiles, entry, keys: list[str], slot: np.ndarray, scra
         return
     raw = slot if direct else scratch.get(stored, dtype)
     flat, start = raw.reshape(-1), 0
-    for key, shape in zip(keys, shapes):
-        files.read_into(key, flat[start:start + math.prod(shape)])
-        start += math.prod(shape)
+    for key in keys:
+        n = math.prod(files.shape(key))
+        files.read_into(key, flat[start:start + n])
+        start += n
     if not direct:
         np.copyto(slot, entry.transform(raw), casting="unsafe")
 
@@ -118,6 +129,79 @@ def _fill_in_parts(files: SafetensorsFiles, key: str, transform, stored, dtype: 
                                                writeable=False)
         index = (slice(None),) * axis + (slice(start, start + n),)
         np.copyto(slot[index], part, casting="unsafe")
+
+
+def fill_part(files: SafetensorsFiles, entry, keys: list[str], shape, index: tuple, out: np.ndarray,
+              scratch: Scratch) -> None:
+    """The part ``index`` (a tuple of slices) of the tensor stored under ``keys``, transformed to ``shape``, into
+    ``out``, reading only the bytes that part needs.
+
+    Where the transform is a view of the stored tensor (reshapes, transposes, slices: every name map's), the part
+    is a strided box of the stored bytes: it is read as its maximal contiguous runs (one read a run: a row split
+    of the stored layout is one run, a column split one run a stored row), then laid out and cast into ``out``.
+    Another transform (one that computes) reads the whole tensor through ``fill`` and takes the part."""
+    _, dtype, probe, mapped = _stored(files, entry, keys, shape)
+    part = mapped[index]
+    base = probe.ctypes.data
+    if mapped.dtype != dtype or not part.size or not np.may_share_memory(part, probe) or min(part.strides,
+                                                                                            default=0) < 0:
+        if part.size:
+            whole = np.empty(shape, out.dtype)
+            fill(files, entry, keys, whole, scratch)
+            np.copyto(out, whole[index])
+        return
+    offset, item = part.ctypes.data - base, dtype.itemsize
+    del probe, mapped
+    # axes from the outermost stride to the innermost (length-1 axes last: they never break a run); the innermost
+    # axes that tile contiguously make one run
+    order = sorted(range(part.ndim), key=lambda d: (part.shape[d] > 1, part.strides[d]), reverse=True)
+    run, inner = item, 0
+    for d in reversed(order):
+        if part.shape[d] > 1 and part.strides[d] != run:
+            break
+        run *= part.shape[d]
+        inner += 1
+    outer = order[:len(order) - inner]
+    starts = np.full((), offset, np.int64)
+    for d in outer:
+        starts = starts[..., None] + np.arange(part.shape[d], dtype=np.int64) * part.strides[d]
+    starts = starts.reshape(-1)
+    buf = np.empty((len(starts), run // item), dtype)
+    _read_runs(files, keys, starts, buf)
+    laid = buf.reshape([part.shape[d] for d in order]).transpose(np.argsort(order))
+    np.copyto(out, laid, casting="unsafe")
+
+
+def sliced_shape(shape: tuple[int, ...], index: tuple) -> tuple[int, ...]:
+    """The shape of ``x[index]`` for ``x`` of ``shape`` (``index``: slices, fewer than the axes allowed)."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+
+
+def _read_runs(files: SafetensorsFiles, keys: list[str], starts: np.ndarray, buf: np.ndarray) -> None:
+    """``buf[j]`` (one contiguous row of bytes each) from byte ``starts[j]`` of the tensors ``keys`` stored one
+    after another (a run that crosses from one part to the next is read from each)."""
+    sizes = [math.prod(files.shape(k)) * files.dtype(k).itemsize for k in keys]
+    ends = np.cumsum(sizes)
+    row = buf.shape[1] * buf.itemsize
+    handles = {}
+    try:
+        for j, start in enumerate(starts.tolist()):
+            flat = buf[j].view(np.uint8)
+            done = 0
+            while done < row:
+                at = start + done
+                k = int(np.searchsorted(ends, at, side="right"))
+                local = at - (ends[k] - sizes[k])
+                n = min(row - done, int(ends[k] - at))
+                f = files.where(keys[k])
+                if f not in handles:
+                    handles[f] = files.open(keys[k])
+                files.read_range(keys[k], int(local), flat[done:done + n], handles[f])
+                done += n
+    finally:
+        for fh in handles.values():
+            fh.close()
 
 
 def fill_entry(files: SafetensorsFiles, entry, buf: np.ndarray, scratch: Scratch) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jstd.io.buffers import Scratch, aligned_buffer, fill, fill_entry
+from jstd.io.buffers import Scratch, aligned_buffer, fill_entry, fill_part, sliced_shape
 from jstd.io.hf import plan, with_generation_ids
 from jstd.io.hub import resolve
 from jstd.io.safetensors import SafetensorsFiles
@@ -73,21 +73,22 @@ def _read(files: SafetensorsFiles, entry, leaf: jax.ShapeDtypeStruct, scratch: S
 
 
 def _read_parts(files: SafetensorsFiles, entry, leaf: jax.ShapeDtypeStruct, scratch: Scratch, place):
-    """One parameter placed part by part (``place.shards``): each device's part read block by block through one
-    block-sized buffer, so the host never holds more than one block's tensor and one device's part (a block is
-    read again for each distinct part: from the page cache after the first)."""
+    """One parameter placed part by part (``place.shards``): each of this process's devices' parts read block by
+    block, and of each block's tensor only the bytes the part needs (``fill_part``), so a process reads and holds
+    only its own parts (on several hosts, each host its devices')."""
     dtype = np.dtype(leaf.dtype)
-    block = np.empty(leaf.shape[1:] if entry.stacked else leaf.shape, dtype)
-    if not entry.stacked:  # one tensor: read once, each part a view of it
-        fill(files, entry, list(entry.keys), block, scratch)
-        return place.shards(entry.path, leaf.shape, lambda index: block[index])
+    shape = leaf.shape[1:] if entry.stacked else leaf.shape
 
     def part(index: tuple) -> np.ndarray:
+        if not entry.stacked:
+            out = np.empty(sliced_shape(shape, index), dtype)
+            fill_part(files, entry, list(entry.keys), shape, index, out, scratch)
+            return out
         rows = entry.blocks[index[0]]
-        out = np.empty((len(rows),) + block[index[1:]].shape, dtype)
+        out = np.empty((len(rows),) + sliced_shape(shape, index[1:]), dtype)
         for row, i in enumerate(rows):
-            fill(files, entry, [k.format(i=i) for k in entry.keys], block, scratch)
-            out[row] = block[index[1:]]
+            fill_part(files, entry, [k.format(i=i) for k in entry.keys], shape, index[1:], out[row], scratch)
         return out
 
     return place.shards(entry.path, leaf.shape, part)
+

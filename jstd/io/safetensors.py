@@ -190,15 +190,33 @@ class SafetensorsFiles:
         bytes: the caller chooses the view); with ``offset``, the ``out.nbytes`` bytes of the tensor from byte
         ``offset`` on (a part of it). ValueError for a buffer that is not writable and contiguous, of another size
         or (with ``offset``) reaching beyond the tensor."""
-        f, dtype, shape, start = self.entries[key]
-        need = nbytes(shape, self.dtype(key)) - (offset or 0)
+        need = nbytes(self.shape(key), self.dtype(key)) - (offset or 0)
         if not out.flags.c_contiguous or not out.flags.writeable or out.nbytes != need and not (
                 offset is not None and offset >= 0 and 0 < out.nbytes <= need):
             raise ValueError(f"read_into: {key!r} needs a writable C-contiguous buffer of {need} bytes, got "
                              f"{out.nbytes} bytes (contiguous: {out.flags.c_contiguous})")
+        self.read_range(key, offset or 0, out)
+
+    def open(self, key: str):
+        """The file holding ``key``, open for reading (binary): hand it to ``read_range`` for many ranges."""
+        return open(self.folder / self.entries[key][0], "rb")
+
+    def read_range(self, key: str, start: int, out: np.ndarray, fh=None) -> None:
+        """Bytes ``[start, start + out.nbytes)`` of tensor ``key``'s data into ``out`` (writable, C-contiguous):
+        every read of a tensor's bytes goes through here. ``fh``: its file open (``open``), else opened here.
+        ValueError for a range outside the tensor; CheckpointError for a file cut short."""
+        f, _, shape, offset = self.entries[key]
+        size = nbytes(shape, self.dtype(key))
+        if not out.flags.c_contiguous or not out.flags.writeable or start < 0 or start + out.nbytes > size:
+            raise ValueError(f"read_range: bytes [{start}, {start + out.nbytes}) of {key!r} ({size} bytes) need a "
+                             "range inside the tensor and a writable C-contiguous buffer")
         view = as_bytes(out)
-        with open(self.folder / f, "rb") as fh:
-            fh.seek(start + (offset or 0))
+        if fh is None:
+            with self.open(key) as fh:
+                fh.seek(offset + start)
+                got = fh.readinto(view)
+        else:
+            fh.seek(offset + start)
             got = fh.readinto(view)
         if got != view.nbytes:
             raise CheckpointError(f"{f} is truncated at tensor {key!r}; download it again")

@@ -35,7 +35,7 @@ import numpy as np
 from jaxtyping import Array
 
 from jstd.families import family_for
-from jstd.io.buffers import Scratch, aligned_buffer, fill_entry
+from jstd.io.buffers import Scratch, aligned_buffer, fill_entry, fill_part, sliced_shape
 from jstd.io.hf import hf_config, param_dtype, plan, supported_dtypes
 from jstd.io.hub import resolve
 from jstd.io.safetensors import SHARD_BYTES, CheckpointError, SafetensorsFiles, Writer
@@ -43,7 +43,7 @@ from jstd.io.source import Source, hf_source, with_source
 from jstd.core.progress import Progress
 from jstd.io.staging import Staging, check_destination
 from jstd.io.structure import decode_structure, encode_structure
-from jstd.nn.namemap import leaf_paths
+from jstd.nn.namemap import Entry, leaf_paths
 from jstd.sharding import placer
 
 FORMAT = "jstd-stacked"
@@ -167,7 +167,8 @@ def load_converted(folder, *, dtype=None, mesh=None, rules=None,
     leaves = leaf_paths(skeleton)
     _check_keys(folder, files, {p for p, _ in leaves})
     scratch = Scratch()
-    arrays = [place(path, _parameter(files, path, leaf, scratch)) for path, leaf in leaves]
+    arrays = [_parts(files, path, leaf, scratch, place) if hasattr(place, "shards")
+              else place(path, _parameter(files, path, leaf, scratch)) for path, leaf in leaves]
     model = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(skeleton), arrays)
     return with_source(model, Source((folder / "config.json").read_text(), meta.get("source", {}),
                                      meta.get("ignored", {}), folder / IGNORED))
@@ -202,13 +203,32 @@ def _check_keys(folder: Path, files: SafetensorsFiles, expected: set[str]) -> No
                               + f"; {MARKER} describes another model: convert the checkpoint again")
 
 
-def _parameter(files: SafetensorsFiles, path: str, leaf, scratch: Scratch) -> np.ndarray:
-    """Parameter ``path`` as a host buffer of ``leaf``'s shape and dtype: mapped from its file where it is stored
-    in that dtype and aligned, else read (and cast through ``scratch``) into a page-aligned buffer."""
+def _parts(files: SafetensorsFiles, path: str, leaf, scratch: Scratch, place) -> Array:
+    """Parameter ``path`` placed on a mesh part by part (``placer``'s ``shards``): of its stored tensor, each of
+    this process's devices' parts reads only the byte ranges it needs (``fill_part``)."""
+    _check_stored(files, path, leaf)
+    entry = Entry(path, path)
+
+    def part(index: tuple) -> np.ndarray:
+        out = np.empty(sliced_shape(leaf.shape, index), np.dtype(leaf.dtype))
+        fill_part(files, entry, [path], leaf.shape, index, out, scratch)
+        return out
+
+    return place.shards(path, leaf.shape, part)
+
+
+def _check_stored(files: SafetensorsFiles, path: str, leaf) -> None:
     shape, have = files.shape(path), files.dtype(path)
     if shape != leaf.shape or have.kind != "f" and "float" not in have.name:
         raise CheckpointError(f"parameter {path!r} in {files.where(path)} is {have.name} {list(shape)}; "
                               f"{MARKER} says {list(leaf.shape)} floating: convert the checkpoint again")
+
+
+def _parameter(files: SafetensorsFiles, path: str, leaf, scratch: Scratch) -> np.ndarray:
+    """Parameter ``path`` as a host buffer of ``leaf``'s shape and dtype: mapped from its file where it is stored
+    in that dtype and aligned, else read (and cast through ``scratch``) into a page-aligned buffer."""
+    _check_stored(files, path, leaf)
+    have = files.dtype(path)
     buf = files.mapped(path) if have == leaf.dtype else None
     if buf is not None:
         return buf
@@ -217,7 +237,7 @@ def _parameter(files: SafetensorsFiles, path: str, leaf, scratch: Scratch) -> np
         files.read_into(path, buf)
         return buf
     buf = aligned_buffer(leaf.shape, np.dtype(leaf.dtype))
-    raw = scratch.get(shape, have)
+    raw = scratch.get(tuple(leaf.shape), have)
     files.read_into(path, raw)
     np.copyto(buf, raw, casting="unsafe")
     return buf
