@@ -46,12 +46,18 @@ def test_left_padding_and_continuation(zoo):
 def test_generation_past_the_window_equals_transformers(zoo):
     """Greedy generation (7-token prompts, one left-padded by 2, 6 new tokens: past the window of 4) equals
     transformers' generate, tokens and each step's logits."""
-    _, _, model, ref, _ = zoo(NAME)
+    assert_generation_equals_transformers(zoo, NAME)
+
+
+def assert_generation_equals_transformers(zoo, name: str) -> None:
+    """``jstd.generate`` on left-padded prompts (``test_generate.left_padded``) equals transformers' greedy
+    ``generate``: the tokens, and each step's logits at float32 tolerance."""
+    _, _, model, ref, _ = zoo(name)
     tokens, mask = generate.left_padded(model)
     gen = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=generate.NEW)
     want_tokens, want_logits = generate.torch_generate(ref, dict(input_ids=tokens, attention_mask=mask))
     np.testing.assert_array_equal(np.asarray(gen.tokens), want_tokens)
-    assert_close(gen.logits, want_logits, 1e-5, f"{NAME}: step logits")
+    assert_close(gen.logits, want_logits, 1e-5, f"{name}: step logits")
 
 
 def test_sinks_take_the_mass_the_keys_do_not(zoo):
@@ -150,8 +156,14 @@ def test_published_config_is_read_whole_and_mxfp4_is_refused(tmp_path):
 def test_convert_and_export_round_trip(zoo, tmp_path):
     """Convert and export give back every tensor bit for bit (the interleaved gate/up columns re-interleaved);
     transformers loads the export with the original's logits."""
-    convert.test_round_trip_is_bit_exact(zoo, NAME, tmp_path)
-    _, _, model, ref, spec = zoo(NAME)
+    assert_round_trip_and_export_loads(zoo, NAME, tmp_path)
+
+
+def assert_round_trip_and_export_loads(zoo, name: str, tmp_path) -> None:
+    """``test_convert.test_round_trip_is_bit_exact`` on ``name``, and transformers (eager experts) loads the export
+    with the original's logits, bit for bit."""
+    convert.test_round_trip_is_bit_exact(zoo, name, tmp_path)
+    _, _, model, ref, spec = zoo(name)
     tokens, _ = spec.inputs(model)
     exported = type(ref.model).from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     exported.set_experts_implementation("eager")
