@@ -60,7 +60,8 @@ def main():
     rows.append(("forward throughput, interleaved runs, transformers' eager experts loop (median; best)",
                  f"{em / jm:.2f}x; {eb / jb:.2f}x",
                  f"jstd {jm * 1e3:.0f} / {jb * 1e3:.0f} ms, torch {em * 1e3:.0f} / {eb * 1e3:.0f} ms"))
-    print_table(f"{versions()}; gpt-oss-20b shapes, 2 blocks, batch {BATCH} x {SEQ} tokens, float32", rows)
+    shapes = "tiny sizes (no figure)" if args.tiny else "gpt-oss-20b shapes"
+    print_table(f"{versions()}; {shapes}, 2 blocks, batch {BATCH} x {SEQ} tokens, float32", rows)
 
 
 if __name__ == "__main__":
