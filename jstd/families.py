@@ -27,6 +27,9 @@ from jstd.models.mixtral import Mixtral
 from jstd.models.olmoe import Olmoe
 from jstd.models.qwen3_5_moe import Qwen3_5MoeText
 from jstd.models.qwen3_moe import Qwen3Moe, Qwen3VLMoeText
+from jstd.models.gpt_oss import GptOss
+from jstd.models.phimoe import Phimoe
+from jstd.models.qwen2_moe import Qwen2Moe
 from jstd.vision.deepseek_vl import DeepseekVL
 from jstd.vision.gemma3 import Gemma3
 from jstd.vision.idefics3 import Idefics3, SmolVLM
@@ -49,6 +52,9 @@ FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwen3_5T
 # the mixture-of-experts families (jstd.nn.moe)
 FAMILIES |= {t: f for f in (Qwen3Moe, Qwen3VLMoeText, Olmoe, Mixtral, Qwen3_5MoeText, Qwen3VLMoe, Qwen3_5MoeVL)
              for t in f.model_types}
+
+# families with new attention and routing (issue 38): attention sinks, sparsemixer, a shared expert
+FAMILIES |= {t: f for f in (GptOss, Qwen2Moe, Phimoe) for t in f.model_types}
 
 # model_types jstd knowingly does not serve, with the reason the loader gives
 REFUSED: dict[str, str] = {}

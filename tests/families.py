@@ -18,6 +18,7 @@ from transformers import (CLIPVisionConfig, DeepseekVLConfig, HyperCLOVAXConfig,
 from transformers import LlavaNextConfig
 
 import gpt2_neox_cases
+import gpt_oss_cases
 import llama_cases
 import moe_cases
 import olmo_hybrid_cases
@@ -311,6 +312,10 @@ CASES.update({
                         reference=lambda folder, dtype: MoEQwenVLReference(folder, dtype, {
                             k: v for k, v in qwen3_5_cases.PLAN.items() if not k.startswith("layers.mlp.mlp_") or k.endswith("output")})),
 })
+# gpt-oss: attention sinks, a biased router over clamped SwiGLU experts (tests/gpt_oss_cases.py)
+CASES.update({"-".join(filter(None, ("gpt_oss", c))): Spec(lambda c=c: gpt_oss_cases.config(c), make=gpt_oss_cases.make,
+                                                          reference=gpt_oss_cases.GptOssReference, seed=3)
+              for c in gpt_oss_cases.CASES})
 MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "qwen3_5_text-released", "clip", "siglip",
         "llava", "idefics3", "qwen2_5_vl", "gemma-2b",
         "gpt2-small", "gpt_neox-parallel", "qwen3_moe")

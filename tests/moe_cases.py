@@ -3,7 +3,12 @@
 Text sizes: 64 wide (4 heads of 16 over 2 key/value heads), 3 blocks, vocabulary 97, experts 32 wide, top-2.
 ``qwen3_moe``: 8 experts, block 1 a dense MLP (``mlp_only_layers``: its MLP 96 wide), no renormalisation;
 ``qwen3_moe-normed``: ``norm_topk_prob`` and ``decoder_sparse_step`` 2 (blocks 0 and 2 dense); ``olmoe``: 8 experts;
-``mixtral``: 4 experts (the dense product, ``kernels.moe.DENSE_EXPERTS``), weights kept in float32. The wrappers:
+``mixtral``: 4 experts (the dense product, ``kernels.moe.DENSE_EXPERTS``), weights kept in float32; ``qwen2_moe``:
+8 experts, a sigmoid-gated shared expert 48 wide, block 1 dense (96 wide), no renormalisation; ``phimoe``: 8 experts
+routed by sparsemixer (the released ``router_jitter_noise`` 0.01), LayerNorms, biased attention and head, a window of
+6; ``phimoe-jitter``: ``router_jitter_noise`` 0.3, so many choices share their softmax with near experts (a weight
+then jumps at the threshold: in bfloat16 one flip moves a block's MLP output by 10%, so the bfloat16 check runs on
+``phimoe``). The wrappers:
 Qwen3-VL's and Qwen3.5's tiny towers (``qwen3_vl_cases``) with these text models: Qwen3-VL-MoE 3 blocks, 6
 experts, DeepStack on blocks 0 and 1; Qwen3.5-MoE one period (three DeltaNet blocks, one attention block), 6
 experts top-2 and a shared expert 24 wide.
@@ -13,7 +18,8 @@ from __future__ import annotations
 
 import copy
 
-from transformers import MixtralConfig, OlmoeConfig, Qwen3_5MoeConfig, Qwen3MoeConfig, Qwen3VLMoeConfig
+from transformers import (MixtralConfig, OlmoeConfig, PhimoeConfig, Qwen2MoeConfig, Qwen3_5MoeConfig, Qwen3MoeConfig,
+                          Qwen3VLMoeConfig)
 
 import qwen3_5_cases
 import qwen3_vl_cases
@@ -31,6 +37,12 @@ TEXT = {
     "olmoe": lambda: OlmoeConfig(**BASE, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                  pad_token_id=0, eos_token_id=1),
     "mixtral": lambda: MixtralConfig(**BASE, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": lambda: Qwen2MoeConfig(**BASE, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                        num_experts_per_tok=2, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+    "phimoe": lambda: PhimoeConfig(**{**BASE, "rms_norm_eps": 1e-5}, intermediate_size=32, num_local_experts=8,
+                                   num_experts_per_tok=2, attention_bias=True, lm_head_bias=True, sliding_window=6),
+    "phimoe-jitter": lambda: PhimoeConfig(**{**BASE, "rms_norm_eps": 1e-5}, intermediate_size=32, num_local_experts=8,
+                                          num_experts_per_tok=2, router_jitter_noise=0.3),
 }
 
 

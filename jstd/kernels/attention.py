@@ -12,6 +12,10 @@ mask and sliding cache). Bidirectional blocks (``block_mask``: Gemma 3's images)
 positions that attend to each other whatever their order: OR-ed into the causal mask before a window narrows it.
 Soft-capped scores (``softcap``: Gemma 2) are
 ``tanh(s / cap) · cap`` of the scaled scores, before the mask.
+
+Attention sinks (``sinks``: gpt-oss) are one learned logit per head that joins every row's softmax as one more
+column (``sink_probabilities``): the sink takes probability mass but adds no value, so a row's probabilities over
+the real keys sum to less than 1.
 """
 
 from __future__ import annotations
@@ -87,6 +91,19 @@ def probabilities(scores: Float[Array, "batch heads q k"]) -> Float[Array, "batc
     return jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(scores.dtype)
 
 
+def sink_probabilities(scores: Float[Array, "batch heads q k"], sinks: Float[Array, "heads"]
+                       ) -> tuple[Float[Array, "batch heads q k"], Float[Array, "batch heads q"]]:
+    """``(probabilities over the keys, the sink's probability)``: the softmax of each row of ``scores`` with the
+    head's sink logit as one more column, as transformers' gpt-oss eager attention computes it (the row's maximum
+    subtracted in the scores' dtype, the softmax in float32, cast back); the keys' probabilities sum to
+    ``1 - sink``."""
+    column = jnp.broadcast_to(sinks.astype(scores.dtype)[None, :, None, None], (*scores.shape[:3], 1))
+    joint = jnp.concatenate([scores, column], axis=-1)
+    joint = joint - jnp.max(joint, axis=-1, keepdims=True)
+    p = jax.nn.softmax(joint.astype(jnp.float32), axis=-1).astype(scores.dtype)
+    return p[..., :-1], p[..., -1]
+
+
 def mix(p: Float[Array, "batch heads q k"], v: Float[Array, "batch kv_heads k dim"]) -> Float[Array, "batch q heads dim"]:
     """Each head's pattern times its key/value head's values."""
     b, h, t, s = p.shape
@@ -98,9 +115,12 @@ def mix(p: Float[Array, "batch heads q k"], v: Float[Array, "batch kv_heads k di
 def fused(
     q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], v: Float[Array, "batch kv_heads k dim"],
     scale: float, mask: Bool[Array, "batch 1 q k"] | None, softcap: float | None = None,
+    sinks: Float[Array, "heads"] | None = None,
 ) -> Float[Array, "batch q heads dim"]:
     """The same function through ``jax.nn.dot_product_attention`` (cuDNN/flash where available); with a
-    ``softcap`` (which that kernel has no place for) the explicit computation, unmaterialized."""
+    ``softcap`` or ``sinks`` (which that kernel has no place for) the explicit computation, unmaterialized."""
+    if sinks is not None:
+        return mix(sink_probabilities(scores(q, k, scale, mask, softcap), sinks)[0], v)
     if softcap is not None:
         return mix(probabilities(scores(q, k, scale, mask, softcap)), v)
     t = lambda x: jnp.swapaxes(x, 1, 2)

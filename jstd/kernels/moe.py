@@ -5,6 +5,11 @@
     weights          = weights / sum(weights)   (where the family renormalises), cast as the family casts
     expert_outputs   = down_e(act(gate_e(x)) · up_e(x)) for each chosen e       # [tokens, top_k, hidden]
 
+gpt-oss differs in both: its router takes the top-k of the logits and the softmax of those alone (``route(...,
+top_k_first=True)``: the same weights as softmax, top-k, renormalise, in another order of roundings), and its
+experts add biases and apply a clamped SwiGLU (``clamped``: ``(clamp(up) + 1) · g · sigmoid(alpha · g)``, ``g`` the
+gate clamped from above).
+
 The expert product never forms every expert for every token: the ``tokens · top_k`` chosen pairs are sorted by
 expert and multiplied tile by tile, each tile through its one expert (``grouped``), so memory is
 O(tokens · top_k), not O(tokens · experts), and nothing is dropped (capacity is unlimited, as in transformers).
@@ -20,25 +25,55 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.kernels.activations import activation
+from jstd.kernels.rounding import rounded
 
 # at most this many experts (and tokens · top_k at most DENSE_PAIRS): every expert for every token, one einsum
 DENSE_EXPERTS = 4
 DENSE_PAIRS = 4096
 
 
-def route(logits: Float[Array, "... experts"], k: int, normalize: bool, weights_dtype
+def route(logits: Float[Array, "... experts"], k: int, normalize: bool, weights_dtype, top_k_first: bool = False
           ) -> tuple[Float[Array, "... top_k"], Int[Array, "... top_k"]]:
     """``(router_weights, expert_indices)`` from the router's logits: softmax in float32, the ``k`` largest
     (largest first), divided by their sum when ``normalize``, cast to ``weights_dtype`` (the
-    logits' dtype on the Qwen and OLMoE lines, float32 on Mixtral, which never casts back).
+    logits' dtype on the Qwen and OLMoE lines, float32 on Mixtral, which never casts back). ``top_k_first``
+    (gpt-oss): the ``k`` largest logits, then their softmax in float32, cast to ``weights_dtype``.
 
     Ties (equal probabilities: equal logits, common in bfloat16) break as torch's CPU ``topk`` breaks them
     (``top_k``)."""
+    if top_k_first:
+        values, indices = top_k(logits, k)
+        return jax.nn.softmax(values.astype(jnp.float32), axis=-1).astype(weights_dtype), indices
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     values, indices = top_k(probs, k)
     if normalize:
         values = values / jnp.sum(values, axis=-1, keepdims=True)
     return values.astype(weights_dtype), indices
+
+
+def sparsemixer(logits: Float[Array, "... experts"], jitter_eps: float
+                ) -> tuple[Float[Array, "... 2"], Int[Array, "... 2"]]:
+    """Phi-3.5-MoE's routing as transformers' ``sparsemixer`` runs at inference (``training`` False): two
+    experts a token, each chosen by an argmax and weighted by a softmax over the experts near it.
+
+    First: ``e1 = argmax(l)``; the experts whose relative gap ``(max - l) / max(|l|, max)`` exceeds
+    ``2 · jitter_eps`` are masked (-inf) and ``w1`` is ``e1``'s softmax probability over the rest. Second: ``e1``
+    masked, ``e2`` the argmax of the rest, the mask by the gap to that maximum, ``w2`` ``e2``'s softmax probability
+    over the experts it leaves (``e1`` excluded). The weights are not renormalised; softmax in float32, cast to the
+    logits' dtype; ties go to the lower index (torch's ``max``)."""
+    dtype = logits.dtype
+
+    def choose(scores):
+        top = jnp.max(scores, axis=-1, keepdims=True)
+        index = jnp.argmax(scores, axis=-1)[..., None]
+        # each step rounded to the logits' dtype as torch rounds it (a bfloat16 gap at the threshold decides)
+        far = rounded(rounded(top - logits) / jnp.maximum(jnp.abs(logits), top)) > 2 * jitter_eps
+        gates = jax.nn.softmax(jnp.where(far, -jnp.inf, scores).astype(jnp.float32), axis=-1).astype(dtype)
+        return jnp.take_along_axis(gates, index, axis=-1), index
+
+    w1, e1 = choose(logits)
+    w2, e2 = choose(jnp.where(jnp.arange(logits.shape[-1]) == e1, -jnp.inf, logits))
+    return jnp.concatenate([w1, w2], axis=-1), jnp.concatenate([e1, e2], axis=-1).astype(jnp.int32)
 
 
 def top_k(probs: Float[Array, "... n"], k: int) -> tuple[Float[Array, "... k"], Int[Array, "... k"]]:
@@ -136,27 +171,47 @@ def torch_topk_row(values, k: int) -> list[int]:
     return [j for _, j in q[:k]]
 
 
+def clamped(limit: float, alpha: float):
+    """gpt-oss' experts' gated product of ``(gate, up)``: ``(clamp(up, ±limit) + 1) · g · sigmoid(g · alpha)`` with
+    ``g = min(gate, limit)``, each step in the inputs' dtype as transformers' ``GptOssExperts._apply_gate``."""
+    def product(gate, up):
+        gate = jnp.minimum(gate, jnp.asarray(limit, gate.dtype))
+        up = jnp.clip(up, jnp.asarray(-limit, up.dtype), jnp.asarray(limit, up.dtype))
+        glu = gate * jax.nn.sigmoid(gate * jnp.asarray(alpha, gate.dtype))
+        return (up + jnp.asarray(1, up.dtype)) * glu
+    return product
+
+
 def expert_outputs(x: Float[Array, "tokens hidden"], indices: Int[Array, "tokens top_k"],
                    gate_up: Float[Array, "experts hidden two_mlp"], down: Float[Array, "experts mlp hidden"],
-                   act: str, dense: bool | None = None) -> Float[Array, "tokens top_k hidden"]:
+                   act: str, dense: bool | None = None, gate_up_bias: Float[Array, "experts two_mlp"] | None = None,
+                   down_bias: Float[Array, "experts hidden"] | None = None, product=None
+                   ) -> Float[Array, "tokens top_k hidden"]:
     """Each chosen expert's output for each token: ``down_e(act(gate_e(x)) · up_e(x))`` with ``gate_up[e]`` the
     gate's columns then the up's (``[hidden, 2 · mlp]``). ``dense``: None chooses (the dense product for at most
-    ``DENSE_EXPERTS`` experts and ``DENSE_PAIRS`` pairs, else ``grouped``), True / False force it."""
+    ``DENSE_EXPERTS`` experts and ``DENSE_PAIRS`` pairs, else ``grouped``), True / False force it. ``gate_up_bias``,
+    ``down_bias``: each expert's biases (gpt-oss); ``product``: ``(gate, up) -> neurons`` in place of
+    ``act(gate) · up`` (gpt-oss' ``clamped``)."""
     tokens, k = indices.shape
     if dense is None:
         dense = gate_up.shape[0] <= DENSE_EXPERTS and tokens * k <= DENSE_PAIRS
     f = activation(act)
+    product = product or (lambda gate, up: f(gate) * up)
     if dense:
         h = jnp.einsum("th,ehm->etm", x, gate_up)
-        gate, up = jnp.split(h, 2, axis=-1)
-        y = jnp.einsum("etm,emh->eth", f(gate) * up, down)               # [experts, tokens, hidden]
+        h = h if gate_up_bias is None else h + gate_up_bias[:, None]
+        y = jnp.einsum("etm,emh->eth", product(*jnp.split(h, 2, axis=-1)), down)               # [experts, tokens, hidden]
+        y = y if down_bias is None else y + down_bias[:, None]
         return jnp.take_along_axis(jnp.swapaxes(y, 0, 1), indices[..., None], axis=1)
-    return grouped(x, indices, lambda xs, e: _expert(xs, gate_up[e], down[e], f), gate_up.shape[0])
+    bias = lambda b, e: None if b is None else b[e]
+    return grouped(x, indices, lambda xs, e: _expert(xs, gate_up[e], down[e], product, bias(gate_up_bias, e),
+                                                     bias(down_bias, e)), gate_up.shape[0])
 
 
-def _expert(xs, gate_up, down, f):
-    gate, up = jnp.split(xs @ gate_up, 2, axis=-1)
-    return (f(gate) * up) @ down
+def _expert(xs, gate_up, down, product, gate_up_bias=None, down_bias=None):
+    h = xs @ gate_up
+    y = product(*jnp.split(h if gate_up_bias is None else h + gate_up_bias, 2, axis=-1)) @ down
+    return y if down_bias is None else y + down_bias
 
 
 def tile_rows(pairs: int, experts: int) -> int:

@@ -46,13 +46,19 @@ class Mixtral(Llama):
         return dataclasses.replace(super().block(hf, c, kind, dtype), mlp=mlp)
 
     @classmethod
+    def hub_names(cls, hf, kind: str) -> dict:
+        """The block's module names as the hub checkpoints spell them (the MLP ``block_sparse_moe``, experts
+        ``w1`` / ``w3`` / ``w2``)."""
+        return {**LLAMA_NAMES, "mlp": "block_sparse_moe", "experts": "w"}
+
+    @classmethod
     def name_map(cls, hf, skeleton=None) -> list[Entry]:
         """Llama's, each MLP tensor also spelled as the hub stores it (``block_sparse_moe.``, ``w1`` / ``w3`` /
         ``w2`` per expert)."""
         entries = super().name_map(hf, skeleton)
         skeleton = skeleton if skeleton is not None else cls.skeleton(hf, np.float32)
-        hub = {e.path: e for e in skeleton.layers.name_map(
-            "layers", "model.layers.{i}.", lambda kind: {**LLAMA_NAMES, "mlp": "block_sparse_moe", "experts": "w"})}
+        hub = {e.path: e for e in skeleton.layers.name_map("layers", "model.layers.{i}.",
+                                                           lambda kind: cls.hub_names(hf, kind))}
         out = []
         for e in entries:
             h = hub.get(e.path)

@@ -55,6 +55,13 @@ class Attention(eqx.Module):
     ``softcap`` (static; None: none): scores are ``tanh(s / cap) · cap`` of the
     scaled ``q·kᵀ`` (Gemma 2's ``attn_logit_softcapping``);
     ``attention_scores`` is the value after the cap (and the mask).
+
+    ``sinks`` (None but on gpt-oss): a learned logit per head joining every row's softmax as one more column
+    (``kernels.attention.sink_probabilities``): it takes probability mass and adds no value. Then
+    ``attention_scores`` holds the keys' columns only, ``attention_probabilities`` the joint softmax over the keys
+    (rows sum to ``1 - sink_probability``), ``sink_probability`` ``[batch, heads, query]`` the sink's share (an
+    edit re-normalises the keys' mass: their probabilities become the softmax over the keys alone times
+    ``1 - sink_probability``) and ``attention_sinks`` ``[heads]`` the logits themselves (read-only).
     """
 
     q: Float[Array, "embed heads head_dim"] = param("embed", "heads", "head_dim")
@@ -70,12 +77,18 @@ class Attention(eqx.Module):
     k_norm: RMSNorm | None = None
     sliding_window: int | None = eqx.field(static=True, default=None)
     softcap: float | None = eqx.field(static=True, default=None)
+    sinks: Float[Array, "heads"] | None = param("heads", default=None)
 
     host: ClassVar[str] = "self_attn"
-    sites: ClassVar[tuple[str, ...]] = (
+    SITES: ClassVar[tuple[str, ...]] = (
         "attention_queries", "attention_keys", "attention_values", "attention_scores", "attention_probabilities",
         "attention_head_outputs", "attention_premix",
     )
+    SINK_SITES: ClassVar[tuple[str, ...]] = ("attention_sinks", "sink_probability")
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        return self.SITES + (self.SINK_SITES if self.sinks is not None else ())
 
     def project(self, x: Float[Array, "batch seq embed"], w: Float[Array, "embed heads head_dim"],
                 b: Float[Array, "heads head_dim"] | None, norm: RMSNorm | None = None
@@ -112,15 +125,30 @@ class Attention(eqx.Module):
         v = s("self_attn.attention_values", v)
         if past is not None:
             k, v = (jnp.concatenate([cached.astype(own.dtype), own], axis=2) for cached, own in zip(past, (k, v)))
-        if s.touches("self_attn.attention_scores", "self_attn.attention_probabilities"):
+        interior = ("self_attn.attention_scores", "self_attn.attention_probabilities")
+        if self.sinks is not None:
+            s("self_attn.attention_sinks", self.sinks)
+            interior += ("self_attn.sink_probability",)
+        if s.touches(*interior):
             scores = s("self_attn.attention_scores", attn_kernels.scores(q, k, self.scale, mask, self.softcap))
-            probs = s("self_attn.attention_probabilities", attn_kernels.probabilities(scores))
+            probs = attn_kernels.probabilities(scores) if self.sinks is None else self.sunk(scores, s)
+            probs = s("self_attn.attention_probabilities", probs)
             heads = attn_kernels.mix(probs, v)
         else:
-            heads = attn_kernels.fused(q, k, v, self.scale, mask, self.softcap)
+            heads = attn_kernels.fused(q, k, v, self.scale, mask, self.softcap, self.sinks)
         heads = s("self_attn.attention_head_outputs", heads)
         heads = s("self_attn.attention_premix", self.gated(heads, x))
         return add_bias(flat_product(heads, self.o, 2), self.o_bias)
+
+    def sunk(self, scores: Float[Array, "batch heads q k"], s: Taps) -> Float[Array, "batch heads q k"]:
+        """The keys' probabilities beside the sinks, tapping ``sink_probability``; where an edit changed it, the
+        softmax over the keys alone times ``1 - sink_probability`` (the keys' mass re-normalised)."""
+        probs, sink = attn_kernels.sink_probabilities(scores, self.sinks)
+        edited = s("self_attn.sink_probability", sink)
+        if edited is sink:
+            return probs
+        alone = attn_kernels.probabilities(scores) * (1 - edited)[..., None]
+        return jnp.where((edited == sink)[..., None], probs, alone.astype(probs.dtype))
 
     def entries(self, names=None) -> list[Entry]:
         """``names["out"]``: the output projection's name (``o_proj``; ``out_proj`` on CLIP and SigLIP)."""
@@ -132,14 +160,16 @@ class Attention(eqx.Module):
             Entry("q_proj.bias", "q_bias", split(H)), Entry("k_proj.bias", "k_bias", split(K)),
             Entry("v_proj.bias", "v_bias", split(K)), Entry(f"{o}.bias", "o_bias"),
             Entry("q_norm.weight", "q_norm.weight"), Entry("k_norm.weight", "k_norm.weight"),
+            Entry("sinks", "sinks"),
         ])
 
     @classmethod
     def skeleton(cls, embed, heads, kv_heads, head_dim, scale, bias: bool, o_bias: bool, dtype,
                  qk_norm_eps: float | None = None, sliding_window: int | None = None,
-                 softcap: float | None = None) -> "Attention":
+                 softcap: float | None = None, sinks: bool = False) -> "Attention":
         """``qk_norm_eps``: give the attention OLMo's whole-projection q_norm / k_norm with this eps;
-        ``sliding_window``, ``softcap``: the fields (None: full attention, no cap)."""
+        ``sliding_window``, ``softcap``: the fields (None: full attention, no cap); ``sinks``: a sink logit per
+        head (gpt-oss)."""
         b = lambda *d: shape(*d, dtype=dtype) if bias else None
         norm = lambda n: None if qk_norm_eps is None else RMSNorm.skeleton(n * head_dim, qk_norm_eps, dtype, True)
         return cls(
@@ -148,4 +178,5 @@ class Attention(eqx.Module):
             b(heads, head_dim), b(kv_heads, head_dim), b(kv_heads, head_dim),
             shape(embed, dtype=dtype) if o_bias else None, scale, norm(heads), norm(kv_heads),
             None if sliding_window is None else int(sliding_window), None if softcap is None else float(softcap),
+            shape(heads, dtype=dtype) if sinks else None,
         )

@@ -9,7 +9,12 @@ and optionally a shared expert behind a sigmoid gate (Qwen3.5-MoE). It is a ``Bl
 The families differ only in numbers: ``normalize`` (renormalise the top-k weights: Mixtral, Qwen3-VL-MoE,
 Qwen3.5-MoE always; Qwen3-MoE and OLMoE by ``norm_topk_prob``) and ``weights_in_float32`` (Mixtral keeps the
 weights in float32 and weights each expert's output in float32 before the cast; the others cast the weights to
-the logits' dtype first). The grouped product is ``kernels.moe.expert_outputs``: O(tokens · top_k) memory.
+the logits' dtype first). gpt-oss adds a bias to the router (``router_logits`` include it) and to each expert's
+products, routes ``top_k_softmax`` (the softmax of the top-k logits alone) and gates its experts with a clamped
+SwiGLU (``swiglu``: ``(limit, alpha)``, ``kernels.moe.clamped``); its checkpoints interleave each expert's gate and
+up columns (``names["experts"] = "interleaved"``), split into gate then up at load. Phi-3.5-MoE routes by
+``sparsemixer`` (``kernels.moe.sparsemixer``: transformers' inference path, two experts a token) and names its
+router ``router`` (``names["router"]``). The grouped product is ``kernels.moe.expert_outputs``: O(tokens · top_k) memory.
 
 Weights are stored input-major: ``router`` ``[embed, experts]``, ``gate_up`` ``[experts, embed, 2 · mlp]`` (each
 expert's gate columns, then its up columns: transformers 5's fused ``experts.gate_up_proj`` transposed), ``down``
@@ -29,11 +34,14 @@ from jaxtyping import Array, Float
 
 from jstd.core.config import ModelConfig
 from jstd.core.tap import Taps
-from jstd.kernels.moe import combine, expert_outputs, route
+from jstd.kernels.moe import clamped, combine, expert_outputs, route, sparsemixer
 from jstd.nn.params import param, shape
 from jstd.nn.mlp import GatedMLP
-from jstd.nn.namemap import Entry, linear
+from jstd.nn.namemap import Entry, linear, present
 
+# how a router turns its logits into weights and experts: softmax, top-k, renormalised by ``normalize`` (most);
+# the top-k logits' softmax (gpt-oss); Phi-3.5-MoE's sparsemixer
+ROUTINGS = ("softmax", "top_k_softmax", "sparsemixer")
 # the per-expert spellings of (gate, up, down): transformers' module names, and Mixtral's hub files'
 PER_EXPERT = {"proj": ("gate_proj", "up_proj", "down_proj"), "w": ("w1", "w3", "w2")}
 
@@ -51,6 +59,12 @@ class MoEMLP(eqx.Module):
     normalize: bool = eqx.field(static=True)
     weights_in_float32: bool = eqx.field(static=True)
     act: str = eqx.field(static=True)
+    router_bias: Float[Array, "experts"] | None = param("experts", default=None)
+    gate_up_bias: Float[Array, "experts two_mlp"] | None = param("experts", "mlp", default=None)
+    down_bias: Float[Array, "experts embed"] | None = param("experts", "embed", default=None)
+    routing: str = eqx.field(static=True, default="softmax")
+    jitter_eps: float = eqx.field(static=True, default=0.0)
+    swiglu: tuple[float, float] | None = eqx.field(static=True, default=None)
 
     @property
     def sites(self) -> tuple[str, ...]:
@@ -63,13 +77,19 @@ class MoEMLP(eqx.Module):
 
     def __call__(self, x: Float[Array, "batch seq embed"], s: Taps) -> Float[Array, "batch seq embed"]:
         batch, seq, embed = x.shape
-        logits = s("mlp.router_logits", x @ self.router)
-        weights, indices = route(logits, self.top_k, self.normalize,
-                                 np.float32 if self.weights_in_float32 else logits.dtype)
+        logits = x @ self.router
+        logits = s("mlp.router_logits", logits if self.router_bias is None else logits + self.router_bias)
+        if self.routing == "sparsemixer":
+            weights, indices = sparsemixer(logits, self.jitter_eps)
+        else:
+            weights, indices = route(logits, self.top_k, self.normalize,
+                                     np.float32 if self.weights_in_float32 else logits.dtype,
+                                     self.routing == "top_k_softmax")
         weights = s("mlp.router_weights", weights)
         indices = s("mlp.expert_indices", indices)
         outputs = expert_outputs(x.reshape(-1, embed), indices.reshape(-1, self.top_k), self.gate_up, self.down,
-                                 self.act)
+                                 self.act, gate_up_bias=self.gate_up_bias, down_bias=self.down_bias,
+                                 product=None if self.swiglu is None else clamped(*self.swiglu))
         outputs = s("mlp.expert_outputs", outputs.reshape(batch, seq, self.top_k, embed))
         y = combine(outputs, weights, indices)
         if self.shared is not None:
@@ -83,6 +103,8 @@ class MoEMLP(eqx.Module):
         for ``experts.{e}.gate_proj.weight`` …, ``"w"`` for Mixtral's ``w1`` / ``w3`` / ``w2``), and the shared
         expert (``shared_expert.*``, ``shared_expert_gate.weight``) where it has one."""
         experts, (embed, two_mlp) = self.num_experts, self.gate_up.shape[-2:]
+        if (names or {}).get("experts") == "interleaved":
+            return self.interleaved_entries()
         gate, up, down = PER_EXPERT[(names or {}).get("experts", "proj")]
         per = lambda *parts: tuple(f"experts.{e}.{p}.weight" for e in range(experts) for p in parts)
         # transformers 5's [experts, out, in], transposed; as stored where the shape says it is ours (Qwen3-VL-MoE's
@@ -90,7 +112,7 @@ class MoEMLP(eqx.Module):
         as_stored = lambda *ours: lambda w: w if w.shape[1:] == ours and ours[0] != ours[1] else w.transpose(0, 2, 1)
         fused_gate_up, fused_down = as_stored(embed, two_mlp), as_stored(two_mlp // 2, embed)
         entries = [
-            Entry("gate.weight", "router", linear),
+            Entry(f"{(names or {}).get('router', 'gate')}.weight", "router", linear),
             Entry("experts.gate_up_proj", "gate_up", fused_gate_up, alternatives=(
                 Entry(per(gate, up), "gate_up", lambda w: w.reshape(experts, two_mlp, embed).transpose(0, 2, 1)),)),
             Entry("experts.down_proj", "down", fused_down, alternatives=(
@@ -101,18 +123,40 @@ class MoEMLP(eqx.Module):
             entries.append(Entry("shared_expert_gate.weight", "shared_gate", linear))
         return entries
 
+    def interleaved_entries(self) -> list[Entry]:
+        """gpt-oss' spelling: ``router.weight`` / ``router.bias``, and the experts fused and stored input-major
+        (``experts.gate_up_proj`` ``[experts, embed, 2 · mlp]`` with each expert's gate and up columns interleaved,
+        gate first; ``experts.down_proj`` ``[experts, mlp, embed]``) with their biases (``*_bias``)."""
+        split = lambda w: np.concatenate([w[..., ::2], w[..., 1::2]], axis=-1)  # gate, up interleaved -> halves
+        return present(self, [
+            Entry("router.weight", "router", linear), Entry("router.bias", "router_bias"),
+            Entry("experts.gate_up_proj", "gate_up", split), Entry("experts.gate_up_proj_bias", "gate_up_bias", split),
+            Entry("experts.down_proj", "down"), Entry("experts.down_proj_bias", "down_bias"),
+        ])
+
     @classmethod
     def skeleton(cls, embed: int, mlp: int, experts: int, top_k: int, act: str, normalize: bool, dtype,
-                 weights_in_float32: bool = False, shared_mlp: int | None = None) -> "MoEMLP":
+                 weights_in_float32: bool = False, shared_mlp: int | None = None, biases: bool = False,
+                 routing: str = "softmax", jitter_eps: float = 0.0, swiglu: tuple[float, float] | None = None
+                 ) -> "MoEMLP":
         """``experts`` SwiGLU experts ``embed`` -> ``mlp`` -> ``embed`` of which each token takes ``top_k``; a
-        shared expert ``mlp`` = ``shared_mlp`` wide behind a sigmoid gate where ``shared_mlp`` is given."""
+        shared expert ``mlp`` = ``shared_mlp`` wide behind a sigmoid gate where ``shared_mlp`` is given.
+        ``biases``: a router bias and each expert's biases; ``routing`` (``ROUTINGS``), ``jitter_eps``, ``swiglu``:
+        the fields. ValueError for an unknown routing, a top-k out of range or sparsemixer's top-k other than 2."""
+        if routing not in ROUTINGS:
+            raise ValueError(f"unknown MoE routing {routing!r}; jstd has {', '.join(ROUTINGS)}")
+        if routing == "sparsemixer" and top_k != 2:
+            raise ValueError(f"num_experts_per_tok={top_k}: sparsemixer routing (Phi-3.5-MoE) chooses exactly 2 "
+                             "experts a token (transformers' sparsemixer ignores any other top-k); use 2")
         if not 0 < top_k <= experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts ({experts})")
         shared = None if shared_mlp is None else GatedMLP.skeleton(embed, shared_mlp, act, False, dtype)
         return cls(shape(embed, experts, dtype=dtype), shape(experts, embed, 2 * mlp, dtype=dtype),
                    shape(experts, mlp, embed, dtype=dtype), shared,
                    None if shared_mlp is None else shape(embed, 1, dtype=dtype), top_k, normalize,
-                   weights_in_float32, act)
+                   weights_in_float32, act, *((shape(experts, dtype=dtype), shape(experts, 2 * mlp, dtype=dtype),
+                                               shape(experts, embed, dtype=dtype)) if biases else (None,) * 3),
+                   routing, float(jitter_eps), None if swiglu is None else tuple(map(float, swiglu)))
 
 
 def with_experts(config: ModelConfig, experts: int, top_k: int) -> ModelConfig:

@@ -17,14 +17,15 @@ DATA, MODEL = "data", "model"  # the mesh axes of jstd.sharding's rules: rows of
 LOGICAL_NAMES: set[str] = {"layers"}
 
 
-def param(*axes: str):
+def param(*axes: str, **field):
     """A parameter field whose array carries logical axis names (for sharding rules).
 
     The names are the array's axes in order; blocks stacked for the scan get a
     leading ``layers`` axis (see ``logical_axes``). Each name joins ``LOGICAL_NAMES``.
+    ``field``: passed to ``eqx.field`` (``default=None`` for an optional parameter after the static fields).
     """
     LOGICAL_NAMES.update(axes)
-    return eqx.field(metadata={"axes": tuple(axes)})
+    return eqx.field(metadata={"axes": tuple(axes)}, **field)
 
 
 def stacked():

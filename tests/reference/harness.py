@@ -86,6 +86,22 @@ LINEAR_INTERIOR = (
 )
 
 
+def sunk(tap, i: int, scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """gpt-oss' eager attention's probabilities over the keys beside the heads' sink logits (one more softmax
+    column, dropped after), tapping ``attention_sinks`` and ``sink_probability``; an edited sink probability
+    re-normalises the keys (the softmax over the keys alone times ``1 - sink_probability``, jstd's definition)."""
+    tap("layers.self_attn.attention_sinks", i, sinks)
+    column = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[-2], -1)
+    combined = torch.cat([scores, column], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    joint = torch.softmax(combined, dim=-1, dtype=combined.dtype)
+    sink = joint[..., -1]
+    edited = tap("layers.self_attn.sink_probability", i, sink)
+    if edited is sink:
+        return joint[..., :-1]
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype) * (1 - edited)[..., None]
+
+
 @dataclasses.dataclass
 class TorchEdit:
     site: str
@@ -231,7 +247,10 @@ class TorchReference:
             if attention_mask is not None:
                 scores = scores + attention_mask
             scores = tap("layers.self_attn.attention_scores", i, scores)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            if getattr(module, "sinks", None) is None:
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            else:
+                probs = sunk(tap, i, scores, module.sinks).to(value.dtype)
             probs = tap("layers.self_attn.attention_probabilities", i, probs)
             out = torch.matmul(probs, v).transpose(1, 2).contiguous()
             out = tap("layers.self_attn.attention_head_outputs", i, out)

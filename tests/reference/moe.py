@@ -60,6 +60,10 @@ def expert_outputs(experts, x: torch.Tensor, indices: torch.Tensor) -> torch.Ten
     mask, hit = _hit(indices, experts.num_experts)
     for e in hit:
         top_k_pos, token_idx = torch.where(mask[e])
+        if hasattr(experts, "gate_up_proj_bias"):  # gpt-oss: input-major, biases, interleaved clamped SwiGLU
+            gate_up = x[token_idx] @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]
+            out[token_idx, top_k_pos] = experts._apply_gate(gate_up) @ experts.down_proj[e] + experts.down_proj_bias[e]
+            continue
         gate, up = F.linear(x[token_idx], experts.gate_up_proj[e]).chunk(2, dim=-1)
         out[token_idx, top_k_pos] = F.linear(experts.act_fn(gate) * up, experts.down_proj[e])
     return out
@@ -79,12 +83,13 @@ def combined(experts, x, outputs, indices, weights) -> torch.Tensor:
 def _forward(block, i: int, tap, hidden_states: torch.Tensor) -> torch.Tensor:
     b, s, h = hidden_states.shape
     x = hidden_states.reshape(-1, h)
-    logits, weights, indices = block.gate(x)
+    router = block.router if hasattr(block, "router") else block.gate  # gpt-oss names it router
+    logits, weights, indices = router(x)
     view = logits.reshape(b, s, -1)
     edited = tap("layers.mlp.router_logits", i, view)
     if edited is not view:
         with forced_linear(edited.reshape(-1, edited.shape[-1]).to(logits.dtype)):
-            logits, weights, indices = block.gate(x)
+            logits, weights, indices = router(x)
     k = indices.shape[-1]
     tap("layers.mlp.router_weights", i, weights.reshape(b, s, k))
     tap("layers.mlp.expert_indices", i, indices.reshape(b, s, k))
@@ -97,6 +102,8 @@ def _forward(block, i: int, tap, hidden_states: torch.Tensor) -> torch.Tensor:
     if hasattr(block, "shared_expert"):
         shared = F.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
         routed = routed + tap(SHARED, i, shared.reshape(b, s, h)).reshape(-1, h)
+    if hasattr(block.experts, "gate_up_proj_bias"):  # gpt-oss' MLP returns its router scores too
+        return routed.reshape(b, s, h), weights
     return routed.reshape(b, s, h)
 
 
