@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench docs aot
+.PHONY: demo test bench docs aot circuit-tracer
 
 $(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,3 +45,8 @@ docs: $(VENV)/.core
 
 bench: $(VENV)/.bench
 	for b in forward patching gated_delta olmo_hybrid qwen3_5 vision; do $(PY) benchmarks/$$b.py; done
+
+# `make circuit-tracer`: circuit-tracer 0.5.0's own environment in .venv-ct (it pins transformers <= 4.57.3, so it
+# cannot share .venv); `.venv-ct/bin/python scripts/circuit_tracer/reference.py` regenerates tests/data/circuit_tracer
+circuit-tracer:
+	bash scripts/circuit_tracer/setup.sh
