@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -55,6 +56,9 @@ class Attention(eqx.Module):
     ``softcap`` (static; None: none): scores are ``tanh(s / cap) · cap`` of the
     scaled ``q·kᵀ`` (Gemma 2's ``attn_logit_softcapping``);
     ``attention_scores`` is the value after the cap (and the mask).
+    ``frozen_pattern`` (static; ``jstd.nn.frozen``): the probabilities (as
+    edited) are held constant for gradients, so a derivative sees attention as
+    a fixed mixing of the values; it takes the explicit path.
     """
 
     q: Float[Array, "embed heads head_dim"] = param("embed", "heads", "head_dim")
@@ -70,6 +74,7 @@ class Attention(eqx.Module):
     k_norm: RMSNorm | None = None
     sliding_window: int | None = eqx.field(static=True, default=None)
     softcap: float | None = eqx.field(static=True, default=None)
+    frozen_pattern: bool = eqx.field(static=True, default=False)
 
     host: ClassVar[str] = "self_attn"
     sites: ClassVar[tuple[str, ...]] = (
@@ -112,10 +117,10 @@ class Attention(eqx.Module):
         v = s("self_attn.attention_values", v)
         if past is not None:
             k, v = (jnp.concatenate([cached.astype(own.dtype), own], axis=2) for cached, own in zip(past, (k, v)))
-        if s.touches("self_attn.attention_scores", "self_attn.attention_probabilities"):
+        if self.frozen_pattern or s.touches("self_attn.attention_scores", "self_attn.attention_probabilities"):
             scores = s("self_attn.attention_scores", attn_kernels.scores(q, k, self.scale, mask, self.softcap))
             probs = s("self_attn.attention_probabilities", attn_kernels.probabilities(scores))
-            heads = attn_kernels.mix(probs, v)
+            heads = attn_kernels.mix(jax.lax.stop_gradient(probs) if self.frozen_pattern else probs, v)
         else:
             heads = attn_kernels.fused(q, k, v, self.scale, mask, self.softcap)
         heads = s("self_attn.attention_head_outputs", heads)
