@@ -122,3 +122,163 @@ def _same_json(mine, ref, rename, collisions):
         (rename.get(e["source"], e["source"]), rename.get(e["target"], e["target"])) for e in ref["links"]]
     scale = max(abs(e["weight"]) for e in ref["links"])
     assert all(abs(a["weight"] - b["weight"]) <= 1e-5 * scale for a, b in zip(mine["links"], ref["links"]))
+
+
+# ---- identities -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama_clt_relu_skip", "gemma2_plt_jumprelu", "llama_plt_relu_skip"])
+def test_rows_sum_to_the_target_minus_the_constants(name):
+    """Completeness: a target's input ⟨v, x⟩ = Σ_s A[t, s] + Σ_{l, p>=1} ⟨g_{l,p}, b_dec_l⟩ + Σ_l ⟨g_{l,0}, y_{l,0} -
+    skip_l(x_{l,0})⟩ (g: the target's gradient at the MLP outputs in the linearised model), for every logit row and
+    a spread of feature rows."""
+    from jstd.circuits.replacement import gradients, prompt_values
+
+    model, _, tc, g = graph_of(name)
+    tokens = jnp.asarray(g.input_tokens[None], jnp.int32)
+    v = prompt_values(model, tokens, tc.input_site, tc.output_site)
+    x, y, final = v["x"][:, 0], v["y"][:, 0], v["final"][0]
+    L, n = g.num_layers, g.n_pos
+    picks = np.linspace(0, g.n_features - 1, 6).astype(int)
+    feats = g.active_features[g.selected_features[picks]]
+    layers = np.concatenate([feats[:, 0], np.full(g.n_logits, L)])
+    positions = np.concatenate([feats[:, 1], np.full(g.n_logits, n - 1)])
+    vectors = np.concatenate([np.asarray(tc.W_enc)[feats[:, 0], feats[:, 2]], g.logit_vectors])
+    g_y, _ = gradients(model, tokens, tc, jnp.asarray(layers), jnp.asarray(positions), jnp.asarray(vectors))
+    g_y = np.asarray(g_y, np.float64)
+    rows = np.concatenate([picks, np.arange(g.logit_start, g.n_nodes)])
+    read = np.concatenate([np.asarray(x)[feats[:, 0], feats[:, 1]], np.repeat(np.asarray(final)[n - 1:], g.n_logits, 0)])
+    target = (read.astype(np.float64) * vectors).sum(1)
+    x0 = np.asarray(x)[:, 0]
+    constant0 = np.asarray(y)[:, 0] - np.asarray(tc.skip(x[:, :1]))[:, 0]
+    constants = (np.einsum("tlpd,ld->t", g_y[:, :, 1:], np.asarray(tc.b_dec, np.float64))
+                 + np.einsum("tld,ld->t", g_y[:, :, 0], constant0))
+    total = g.adjacency[rows].astype(np.float64).sum(1) + constants
+    np.testing.assert_allclose(total, target, rtol=1e-4, atol=1e-4 * np.abs(target).max())
+
+
+def test_frozen_norms_and_attention_are_fixed_linear_maps():
+    """jstd.nn.frozen: a frozen RMSNorm's / LayerNorm's Jacobian is the fixed diagonal (its weight / rms, times the
+    centring for LayerNorm), checked in float64 against the formula; a frozen attention's output has no derivative
+    through its pattern; forward values are unchanged."""
+    from jstd.nn.frozen import frozen
+    from jstd.nn.norms import LayerNorm, RMSNorm
+
+    jax.config.update("jax_enable_x64", True)
+    try:
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.normal(size=6) * 3)
+        w, b = jnp.asarray(rng.normal(size=6)), jnp.asarray(rng.normal(size=6))
+        rms = RMSNorm(w, 1e-6, weight_in_float32=True)
+        fr = frozen(rms)
+        np.testing.assert_array_equal(fr(x), rms(x))
+        x32 = x.astype(jnp.float32)
+        r = 1 / np.sqrt(np.mean(np.asarray(x32, np.float64) ** 2) + 1e-6)
+        np.testing.assert_allclose(jax.jacobian(lambda v: fr(v.astype(jnp.float32)))(x32), np.diag(np.asarray(w) * r),
+                                   rtol=1e-5)
+        assert not np.allclose(jax.jacobian(lambda v: rms(v.astype(jnp.float32)))(x32), np.diag(np.asarray(w) * r),
+                               rtol=1e-3)
+        ln = frozen(LayerNorm(w, b, 1e-5))
+        c = np.eye(6) - 1 / 6
+        std = np.std(np.asarray(x32, np.float64))
+        np.testing.assert_allclose(jax.jacobian(ln)(x32), (np.asarray(w)[:, None] * c) / np.sqrt(std ** 2 + 1e-5),
+                                   rtol=1e-4, atol=1e-6)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    model, _, _, g = graph_of("llama_plt_relu")
+    from jstd.nn.frozen import frozen as frz
+
+    tokens = jnp.asarray(g.input_tokens[None], jnp.int32)
+    q = lambda m, e: jstd.run(m, tokens, [jstd.Add("layers.self_attn.attention_queries", e, layer=1)]).logits.sum()
+    e = jnp.zeros((1, 4, g.n_pos, 8))
+    np.testing.assert_array_equal(jax.grad(q, 1)(frz(model), e), 0)  # queries act only through the held pattern
+    assert np.abs(np.asarray(jax.grad(q, 1)(model, e))).max() > 0
+    np.testing.assert_allclose(jstd.run(frz(model), tokens).logits, jstd.run(model, tokens).logits, rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_hook_names_mean_what_transformerlens_means():
+    """lnX.hook_normalized is x / rms(x) before the gain; hook_mlp_in the stream before the MLP's norm;
+    circuit-tracer's mlp.hook_in / mlp.hook_out the MLP's input (with the gain) and output."""
+    from jstd.sae import site_of
+
+    assert site_of("blocks.2.ln2.hook_normalized") == ("layers.mlp_norm_normalized", 2)
+    assert site_of("blocks.0.ln1.hook_normalized") == ("layers.attention_norm_normalized", 0)
+    assert site_of("blocks.1.hook_mlp_in") == ("layers.layer_mid", 1)
+    assert site_of("blocks.1.mlp.hook_in") == ("layers.mlp_input", 1)
+    assert site_of("blocks.1.mlp.hook_out") == ("layers.mlp.mlp_output", 1)
+    model, _, _, g = graph_of("llama_plt_relu")
+    reads = ("layers.mlp_norm_normalized", "layers.mlp_norm_output", "layers.layer_mid")
+    out = jstd.run(model, jnp.asarray(g.input_tokens[None]), reads=reads)
+    mid = np.asarray(out["layers.layer_mid"], np.float64)
+    normed = mid / np.sqrt((mid ** 2).mean(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(out["layers.mlp_norm_normalized"], normed, rtol=1e-5, atol=1e-6)
+    weight = np.asarray(model.layers.slots[0].mlp_norm.weight)[:, None, None]
+    np.testing.assert_allclose(out["layers.mlp_norm_output"], weight * normed, rtol=1e-5, atol=1e-6)
+
+
+# ---- files ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama_plt_jumprelu_skip", "llama_clt_relu_skip"])
+def test_transcoder_files_round_trip_and_are_found_in_caches(name, tmp_path, monkeypatch):
+    from jstd.circuits import find_transcoders, save_transcoders
+
+    tc = load_transcoders(DATA / name / "transcoders")
+    saved = save_transcoders(tc, tmp_path / "plain")
+    again = load_transcoders(saved)
+    for a, b in zip(jax.tree.leaves(tc), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)
+    assert (again.cross_layer, again.input_hook, again.output_hook, again.scan) == (
+        tc.cross_layer, tc.input_hook, tc.output_hook, tc.scan)
+    # circuit-tracer's cache: $CIRCUIT_TRACER_CACHE_DIR/<ref>/config.yaml
+    monkeypatch.setenv("CIRCUIT_TRACER_CACHE_DIR", str(tmp_path / "ct"))
+    save_transcoders(tc, tmp_path / "ct" / "org" / "set")
+    assert find_transcoders("org/set") == tmp_path / "ct" / "org" / "set"
+    # a populated HuggingFace cache (no network): hub/models--org--name/snapshots/<rev>/
+    hub = tmp_path / "hf" / "hub"
+    snap = hub / "models--org--hfset" / "snapshots" / ("0" * 40)
+    save_transcoders(tc, snap)
+    (hub / "models--org--hfset" / "refs").mkdir(parents=True)
+    (hub / "models--org--hfset" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hc
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(hub))
+    assert Path(find_transcoders("org/hfset")).resolve() == snap.resolve()
+    with pytest.raises(FileNotFoundError, match="no transcoder set"):
+        find_transcoders("org/missing")
+
+
+def test_saelens_transcoders_give_the_same_graph(tmp_path):
+    """A per-layer set written as SAELens transcoders (jstd.sae.save_sae) and read back (from_saes) gives the
+    graph circuit-tracer gives for the set."""
+    from jstd.circuits import from_saes
+    from jstd.sae import SAE, load_sae, save_sae
+
+    name = "llama_plt_relu"
+    model, tok, tc, g = graph_of(name)
+    saes = []
+    for l in range(tc.num_layers):
+        sae = SAE(tc.W_enc[l].T, tc.b_enc[l], tc.W_dec[l], tc.b_dec[l], None, architecture="transcoder",
+                  apply_b_dec_to_input=False, hook_name=f"blocks.{l}.mlp.hook_in",
+                  hook_name_out=f"blocks.{l}.mlp.hook_out")
+        saes.append(load_sae(save_sae(sae, tmp_path / f"l{l}")))
+    again = from_saes(saes, scan=tc.scan)
+    spec = case(name)[0]
+    g2 = attribute(model, spec["prompt_ids_given"], again, tokenizer=tok, batch_size=spec["settings"]["batch_size"])
+    np.testing.assert_array_equal(g2.active_features, g.active_features)
+    np.testing.assert_allclose(g2.adjacency, g.adjacency, rtol=0, atol=1e-6 * np.abs(g.adjacency).max())
+    with pytest.raises(ValueError, match="blocks.1"):
+        from_saes([saes[1], saes[0], saes[2]])
+
+
+def test_graph_save_load_round_trip(tmp_path):
+    _, _, _, g = graph_of("llama_targets_custom")
+    again = Graph.load(g.save(tmp_path / "g"))
+    for field in ("adjacency", "active_features", "activation_values", "selected_features", "input_tokens",
+                  "logit_token_ids", "logit_probabilities", "logit_vectors"):
+        np.testing.assert_array_equal(getattr(again, field), getattr(g, field))
+    assert (again.logit_strings, again.scan, again.prompt_tokens, again.num_layers) == (
+        g.logit_strings, g.scan, g.prompt_tokens, g.num_layers)
+    assert not list((tmp_path / "g").glob("*.pt")) and not list((tmp_path / "g").glob("*.pkl"))
