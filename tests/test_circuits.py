@@ -282,3 +282,26 @@ def test_graph_save_load_round_trip(tmp_path):
     assert (again.logit_strings, again.scan, again.prompt_tokens, again.num_layers) == (
         g.logit_strings, g.scan, g.prompt_tokens, g.num_layers)
     assert not list((tmp_path / "g").glob("*.pt")) and not list((tmp_path / "g").glob("*.pkl"))
+
+
+def test_cli_writes_the_frontend_json(tmp_path, capsys):
+    """``jstd attribute MODEL --transcoders DIR --prompt TEXT --out DIR`` writes circuit-tracer's JSON for the
+    prompt (the case's prompt as text: the same graph) and the graph itself."""
+    from jstd.cli.main import main
+
+    name = "llama_plt_relu"
+    spec, ref, _ = case(name)
+    d = DATA / name
+    text = spec["input_string"].split(" ", 1)[1]  # without the BOS, which the command prepends
+    status = main(["attribute", str(d / "model"), "--transcoders", str(d / "transcoders"), "--prompt", text,
+                   "--out", str(tmp_path), "--slug", name, "--batch-size", str(spec["settings"]["batch_size"])])
+    assert status == 0
+    mine = json.loads((tmp_path / f"{name}.json").read_text())
+    ref_json = json.loads((d / "graph.json").read_text())
+    assert mine["metadata"] == ref_json["metadata"]
+    assert len(mine["nodes"]) == len(ref_json["nodes"]) and len(mine["links"]) == len(ref_json["links"])
+    assert json.loads((tmp_path / "graph-metadata.json").read_text())["graphs"] == [ref_json["metadata"]]
+    np.testing.assert_array_equal(Graph.load(tmp_path / name).input_tokens, ref["input_tokens"])
+    assert main(["attribute", str(d / "model"), "--transcoders", str(tmp_path / "none"), "--prompt", text,
+                 "--out", str(tmp_path)]) == 1
+    assert "no transcoder set" in capsys.readouterr().err

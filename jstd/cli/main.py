@@ -1,16 +1,17 @@
 """The ``jstd`` command: ``demo`` (the embedded induction model), ``inspect`` (a model's sites), ``convert`` and
-``export``, ``generate``, ``collect``, ``aot`` (compile for a TPU slice or GPUs without one)."""
+``export``, ``generate``, ``collect``, ``aot`` (compile for a TPU slice or GPUs without one), ``attribute``
+(an attribution graph through transcoders)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from jstd.cli import aot, collect, convert, demo, generate, inspect
+from jstd.cli import aot, attribute, collect, convert, demo, generate, inspect
 
 # each module: add_arguments(subparsers) adds its parser(s); command(args) -> exit status
 COMMANDS = {"demo": demo, "inspect": inspect, "convert": convert, "export": convert, "generate": generate,
-            "collect": collect, "aot": aot}
+            "collect": collect, "aot": aot, "attribute": attribute}
 
 
 def main(argv=None) -> int:
