@@ -7,8 +7,10 @@ from jstd.circuits.attribute import attribute, prompt_tokens
 from jstd.circuits.files import find_transcoders, from_saes, load_transcoders, save_transcoders
 from jstd.circuits.frontend import frontend_json, write_frontend
 from jstd.circuits.graph import Graph
+from jstd.circuits.interventions import frozen_effect, intervene
 from jstd.circuits.prune import Pruned, graph_scores, prune
 from jstd.circuits.transcoders import Transcoders
 
 __all__ = ["Transcoders", "load_transcoders", "save_transcoders", "find_transcoders", "from_saes", "attribute",
-           "prompt_tokens", "Graph", "prune", "Pruned", "graph_scores", "frontend_json", "write_frontend"]
+           "prompt_tokens", "Graph", "prune", "Pruned", "graph_scores", "frontend_json", "write_frontend",
+           "intervene", "frozen_effect"]
