@@ -355,3 +355,14 @@ def test_free_interventions_reuse_the_splice():
         intervene(model, tokens, clt, [(0, 1, 0, 0.0)])
     with pytest.raises(ValueError, match="position 0"):
         intervene(model, tokens, tc, [(0, 0, 0, 0.0)])
+
+
+def test_per_depth_programs_give_the_same_graph():
+    """With many rows per program (more active features than 4 batches), a batch of features read before block D
+    runs only the first D blocks (Stack.first; Gemma 2's alternating sliding and global blocks: a period of two):
+    the graph is the same."""
+    model, tok, tc, g = graph_of("gemma2_plt_jumprelu")
+    spec = case("gemma2_plt_jumprelu")[0]
+    small = attribute(model, spec["prompt_ids_given"], tc, batch_size=4, tokenizer=tok)
+    assert g.n_features > 16
+    np.testing.assert_allclose(small.adjacency, g.adjacency, rtol=0, atol=1e-6 * np.abs(g.adjacency).max())

@@ -231,16 +231,24 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
     enc = np.asarray(tc.W_enc, np.float32)
     U, E = jnp.asarray(src.U), errors
 
+    # per-depth programs (a batch of features read before block D runs only the first D blocks, as circuit-tracer
+    # backpropagates from the deepest layer in a batch) pay once enough rows share them; small graphs use one
+    by_depth = n_active > 4 * batch_size
+
     def rows(layers, positions, vectors):
         """The source columns ``[m, n_active + L·n + n]`` of targets, ``batch_size`` at a time."""
         out = []
         for s in range(0, len(layers), batch_size):
             m = min(batch_size, len(layers) - s)
+            depth = min(int(layers[s:s + m].max()) + 1, L) if by_depth else L
             pad = lambda a: np.concatenate([a[s:s + m], np.zeros((batch_size - m,) + a.shape[1:], a.dtype)])
             c, ce, ct = direct_effects(model, tokens, tc, jnp.asarray(pad(layers), jnp.int32),
                                        jnp.asarray(pad(positions), jnp.int32), jnp.asarray(pad(vectors)), U, E,
-                                       token_vectors)
+                                       token_vectors, depth=depth)
             c, ce, ct = np.asarray(c)[:m], np.asarray(ce)[:m], np.asarray(ct)[:m]
+            if depth < L:
+                c = np.concatenate([c, np.zeros((m, L - depth) + c.shape[2:], c.dtype)], 1)
+                ce = np.concatenate([ce, np.zeros((m, L - depth, n), ce.dtype)], 1)
             out.append(np.concatenate([src.columns(c), ce.reshape(m, L * n), ct], 1))
         return np.concatenate(out) if out else np.zeros((0, n_active + (L + 1) * n), np.float32)
 
