@@ -33,33 +33,14 @@ from jstd.core.edits import Add, Edit
 from jstd.core.sites import SITES
 from jstd.nn.frozen import frozen
 from jstd.run import run
-
-_HELD = "_circuits_inputs"  # the Tap attribute: output site -> the transcoders' input of this block
-
-
-class HoldInput(Edit):
-    """Passes the transcoders' input ``x_l`` through unchanged and hands it to ``SkipOnly`` at ``target``."""
-
-    target: str = eqx.field(static=True)
-
-    def __init__(self, site: str, target: str):
-        self._init_site(site, None, None)
-        self.target = target
-
-    def op(self, value):
-        return value
-
-    def within(self, value: Array, scope) -> Array:
-        held = dict(getattr(scope.tap, _HELD, {}))
-        held[self.target] = value
-        setattr(scope.tap, _HELD, held)
-        return value
+from jstd.sae.splice import Source, source_value
 
 
 class SkipOnly(Edit):
     """At the transcoders' output site: ``stop_gradient(y) + (skip(x) - stop_gradient(skip(x))) + delta``. The forward value is
     ``y + delta``; the derivative reaches ``x`` only through the skip (``W_skip [L, d_in, d_out]`` or None) and
-    ``delta`` (stacked over blocks, ``[L, batch, seq, d]``) is where a perturbation of ``y`` enters."""
+    ``delta`` (stacked over blocks, ``[L, batch, seq, d]``) is where a perturbation of ``y`` enters. ``x``: what
+    ``jstd.sae.splice.Source`` at the transcoders' input site hands it."""
 
     W_skip: Float[Array, "layers d_in d_out"] | None
     value: Float[Array, "layers batch seq d_out"]
@@ -79,7 +60,7 @@ class SkipOnly(Edit):
         out = jax.lax.stop_gradient(y) + self.value.astype(y.dtype)
         if self.W_skip is None:
             return out
-        x = getattr(scope.tap, _HELD)[self.site]
+        x = source_value(scope, self.site)
         skip = (x.astype(self.W_skip.dtype) @ self.W_skip[scope.stack_index]).astype(y.dtype)
         return out + (skip - jax.lax.stop_gradient(skip))
 
@@ -114,7 +95,7 @@ def linearised(model, tokens, tc: Transcoders, depth: int | None = None):
 
     def f(deltas):
         d_y, d_e = deltas
-        edits = [HoldInput(x_site, y_site), SkipOnly(y_site, W_skip, d_y), Add("token_embeddings", d_e)]
+        edits = [Source(x_site, y_site), SkipOnly(y_site, W_skip, d_y), Add("token_embeddings", d_e)]
         out = run(model, tokens, edits, reads=(x_site, "final_norm_output"))
         return out[x_site], out["final_norm_output"]
 
