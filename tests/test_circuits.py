@@ -357,12 +357,14 @@ def test_free_interventions_reuse_the_splice():
         intervene(model, tokens, tc, [(0, 0, 0, 0.0)])
 
 
-def test_per_depth_programs_give_the_same_graph():
-    """With many rows per program (more active features than 4 batches), a batch of features read before block D
-    runs only the first D blocks (Stack.first; Gemma 2's alternating sliding and global blocks: a period of two):
-    the graph is the same."""
+def test_programs_that_skip_blocks_and_positions_give_the_same_graph():
+    """With more active features than 4 batches, a batch of features read before block D runs only the first D
+    blocks (Stack.first, here on Gemma 2's alternating sliding and global blocks: a period of two) and the first P
+    positions its targets need (prompts of 16 or more): the graph is the one program's."""
     model, tok, tc, g = graph_of("gemma2_plt_jumprelu")
     spec = case("gemma2_plt_jumprelu")[0]
-    small = attribute(model, spec["prompt_ids_given"], tc, batch_size=4, tokenizer=tok)
-    assert g.n_features > 16
-    np.testing.assert_allclose(small.adjacency, g.adjacency, rtol=0, atol=1e-6 * np.abs(g.adjacency).max())
+    prompt = (spec["prompt_ids_given"] * 4)[:17]
+    one = attribute(model, prompt, tc, batch_size=1024, tokenizer=tok)
+    assert one.n_features > 40 and one.n_pos == 18
+    parts = attribute(model, prompt, tc, batch_size=8, tokenizer=tok)
+    np.testing.assert_allclose(parts.adjacency, one.adjacency, rtol=0, atol=2e-6 * np.abs(one.adjacency).max())

@@ -231,9 +231,13 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
     enc = np.asarray(tc.W_enc, np.float32)
     U, E = jnp.asarray(src.U), errors
 
-    # per-depth programs (a batch of features read before block D runs only the first D blocks, as circuit-tracer
-    # backpropagates from the deepest layer in a batch) pay once enough rows share them; small graphs use one
+    # Programs that skip what a batch cannot reach, once enough rows share them (small graphs use one program):
+    # a batch of features read before block D runs only the first D blocks (circuit-tracer, too, backpropagates
+    # from the deepest layer in a batch), and one whose targets lie at positions < P only the first P positions
+    # (a causal model: nothing later reaches them; P rounded up to a quarter of the prompt, so at most 4 lengths).
     by_depth = n_active > 4 * batch_size
+    lengths = sorted({-(-n * i // 4) for i in range(1, 5)}) if by_depth and n >= 16 else [n]
+    cut = {P: (tokens[:, :P], U[:, :P], E[:, :P], token_vectors[:P]) for P in lengths}
 
     def rows(layers, positions, vectors):
         """The source columns ``[m, n_active + L·n + n]`` of targets, ``batch_size`` at a time."""
@@ -241,15 +245,21 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
         for s in range(0, len(layers), batch_size):
             m = min(batch_size, len(layers) - s)
             depth = min(int(layers[s:s + m].max()) + 1, L) if by_depth else L
+            P = next(P for P in lengths if P > int(positions[s:s + m].max()))
             pad = lambda a: np.concatenate([a[s:s + m], np.zeros((batch_size - m,) + a.shape[1:], a.dtype)])
-            c, ce, ct = direct_effects(model, tokens, tc, jnp.asarray(pad(layers), jnp.int32),
-                                       jnp.asarray(pad(positions), jnp.int32), jnp.asarray(pad(vectors)), U, E,
-                                       token_vectors, depth=depth)
+            toks, U_P, E_P, T_P = cut[P]
+            c, ce, ct = direct_effects(model, toks, tc, jnp.asarray(pad(layers), jnp.int32),
+                                       jnp.asarray(pad(positions), jnp.int32), jnp.asarray(pad(vectors)), U_P, E_P,
+                                       T_P, depth=depth)
             c, ce, ct = np.asarray(c)[:m], np.asarray(ce)[:m], np.asarray(ct)[:m]
-            if depth < L:
-                c = np.concatenate([c, np.zeros((m, L - depth) + c.shape[2:], c.dtype)], 1)
-                ce = np.concatenate([ce, np.zeros((m, L - depth, n), ce.dtype)], 1)
-            out.append(np.concatenate([src.columns(c), ce.reshape(m, L * n), ct], 1))
+            D = c.shape[1]
+            full = np.zeros((m, L, n) + c.shape[3:], c.dtype)
+            full[:, :D, :P] = c
+            errs = np.zeros((m, L, n), ce.dtype)
+            errs[:, :D, :P] = ce
+            toks_cols = np.zeros((m, n), ct.dtype)
+            toks_cols[:, :P] = ct
+            out.append(np.concatenate([src.columns(full), errs.reshape(m, L * n), toks_cols], 1))
         return np.concatenate(out) if out else np.zeros((0, n_active + (L + 1) * n), np.float32)
 
     n_sources = n_active + (L + 1) * n
