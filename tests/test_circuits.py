@@ -368,3 +368,15 @@ def test_programs_that_skip_blocks_and_positions_give_the_same_graph():
     assert one.n_features > 40 and one.n_pos == 18
     parts = attribute(model, prompt, tc, batch_size=8, tokenizer=tok)
     np.testing.assert_allclose(parts.adjacency, one.adjacency, rtol=0, atol=2e-6 * np.abs(one.adjacency).max())
+
+
+def test_several_prompts_in_one_call():
+    model, tok, tc, g = graph_of("llama_plt_relu")
+    spec = case("llama_plt_relu")[0]
+    other = list(reversed(spec["prompt_ids_given"]))
+    graphs = attribute(model, [spec["prompt_ids_given"], other], tc, tokenizer=tok,
+                       batch_size=spec["settings"]["batch_size"])
+    alone = attribute(model, other, tc, tokenizer=tok, batch_size=spec["settings"]["batch_size"])
+    for a, b in ((graphs[0], g), (graphs[1], alone)):
+        np.testing.assert_array_equal(a.active_features, b.active_features)
+        np.testing.assert_allclose(a.adjacency, b.adjacency, rtol=0, atol=1e-6 * np.abs(b.adjacency).max())

@@ -136,14 +136,14 @@ class _Sources:
     """The prompt's sources laid out per (block, position) for ``direct_effects``, and the gather that turns its
     per-slot results into feature columns."""
 
-    def __init__(self, tc: Transcoders, acts: np.ndarray):
+    def __init__(self, tc: Transcoders, acts: np.ndarray, min_slots: int = 1):
         L, n, _ = acts.shape
         layer, pos, feat = np.nonzero(acts)
         self.active = np.stack([layer, pos, feat], 1).astype(np.int64)
         self.values = acts[layer, pos, feat].astype(np.float32)
         vectors = tc.decoder_vectors(layer, feat) * self.values[:, None, None]  # [n_active, L, d]
         writes = np.arange(L)[None, :] >= layer[:, None] if tc.cross_layer else np.arange(L)[None, :] == layer[:, None]
-        K, U = 1, None
+        K, U = min_slots, None
         flat = np.full((len(layer), L), 0, np.int64)
         slot = np.zeros((len(layer), L), np.int64)
         for lo in range(L):  # each feature's slot among those writing at (lo, its position), in active order
@@ -203,12 +203,26 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
     Exact as circuit-tracer within float32 rounding (tests/test_circuits.py compares every entry). Raises
     ValueError for transcoders that do not fit the model, bad prompts or targets.
     """
+    settings = dict(targets=targets, max_n_logits=max_n_logits, desired_logit_prob=desired_logit_prob,
+                    max_feature_nodes=max_feature_nodes, batch_size=batch_size, update_interval=update_interval,
+                    tokenizer=tokenizer)
     several = isinstance(inputs, (list, tuple)) and inputs and not isinstance(inputs[0], (int, np.integer))
     if several or (isinstance(inputs, np.ndarray) and inputs.ndim == 2):
-        return [attribute(model, p, transcoders, targets=targets, max_n_logits=max_n_logits,
-                          desired_logit_prob=desired_logit_prob, max_feature_nodes=max_feature_nodes,
-                          batch_size=batch_size, update_interval=update_interval, tokenizer=tokenizer)
-                for p in inputs]
+        # one slot count for every prompt, so prompts of one length share every compiled program
+        slots = max(_Sources(transcoders, _activations(model, transcoders, prompt_tokens(
+            p, tokenizer, model.config.vocab_size))).K for p in inputs)
+        return [_attribute(model, p, transcoders, slots, **settings) for p in inputs]
+    return _attribute(model, inputs, transcoders, 1, **settings)
+
+
+def _activations(model, tc: Transcoders, ids: np.ndarray) -> np.ndarray:
+    _check(model, tc)
+    v = prompt_values(model, jnp.asarray(ids[None], jnp.int32), tc.input_site, tc.output_site)
+    return np.asarray(tc.encode(v["x"][:, 0].astype(jnp.float32)).at[:, :ZERO_POSITIONS].set(0))
+
+
+def _attribute(model, inputs, transcoders: Transcoders, min_slots: int, *, targets, max_n_logits, desired_logit_prob,
+               max_feature_nodes, batch_size, update_interval, tokenizer) -> Graph:
     tc = transcoders
     _check(model, tc)
     if batch_size < 1 or update_interval < 1:
@@ -222,7 +236,7 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
     acts = tc.encode(x).at[:, :ZERO_POSITIONS].set(0)
     errors = (v["y"][:, 0].astype(jnp.float32) - (tc.decode(acts) + tc.skip(x))).at[:, :ZERO_POSITIONS].set(0)
     acts = np.asarray(acts)
-    src = _Sources(tc, acts)
+    src = _Sources(tc, acts, min_slots)
     n_active = len(src.values)
     token_vectors = v["embeddings"][0].astype(jnp.float32)
     t_ids, t_probs, t_vecs, t_labels = logit_targets(model, np.asarray(v["logits"][0, -1]), targets, max_n_logits,
