@@ -34,13 +34,15 @@ from jstd.collect import ActivationDataset, SparseRows, collect
 from jstd import sae  # noqa: F401 (jstd.sae: sparse autoencoders and transcoders)
 from jstd.sae import splice
 from jstd.viewer import view
+from jstd import circuits  # noqa: F401 (jstd.circuits: attribution graphs)
+from jstd.circuits import attribute
 __all__ = [
     "ConfigWarning", "token_strings",
     "load", "load_processor", "run", "Inputs", "Outputs", "project_on_vocab", "Context",
     "convert", "export",
     "generate", "Generation", "Sampling", "generation_config",
     "collect", "ActivationDataset", "SparseRows",
-    "sae", "splice",
+    "sae", "splice", "circuits", "attribute",
     "view",
     "Edit", "Set", "Add", "Scale", "Zero", "Apply",
     "SITES", "Site", "SiteError", "CheckpointError", "logical_axes", "shard",

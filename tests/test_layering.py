@@ -29,6 +29,7 @@ LAYERS = (
     ("jstd.families",),
     ("jstd.io", "jstd.viewer"),  # files in and out: models; pages (the viewer imports nothing else of jstd)
     ("jstd.generate", "jstd.collect", "jstd.interventions", "jstd.sae"),
+    ("jstd.circuits",),  # attribution graphs: transcoder sets, jstd.attribute, pruning, the frontend JSON (on sae)
     ("jstd.aot",),  # compiles the tools' programs for TPU slices and GPUs; imported by the CLI, not the face
     ("jstd",),
     ("jstd.cli",),

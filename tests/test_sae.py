@@ -217,17 +217,17 @@ def test_transcoder_replaces_the_mlp_output(model, tokens, tmp_path):
     tc = SAE(tc.W_enc, tc.b_enc, tc.W_dec, tc.b_dec, None, architecture="transcoder", apply_b_dec_to_input=False,
              hook_name="blocks.1.ln2.hook_normalized", hook_name_out="blocks.1.hook_mlp_out")
     tc = load_sae(save_sae(tc, tmp_path / "tc"))
-    edits = splice(model, tc)  # the sites from the hooks: ln2.hook_normalized -> mlp_norm_output, hook_mlp_out
-    assert [e.site for e in edits] == ["layers.mlp_norm_output", "layers.mlp.mlp_output"]
-    reads = ("layers.mlp_norm_output", "layers.mlp.mlp_output")
+    edits = splice(model, tc)  # the sites from the hooks: ln2.hook_normalized -> mlp_norm_normalized, hook_mlp_out
+    assert [e.site for e in edits] == ["layers.mlp_norm_normalized", "layers.mlp.mlp_output"]
+    reads = ("layers.mlp_norm_normalized", "layers.mlp.mlp_output")
     plain = jstd.run(model, tokens, reads=reads)
     out = jstd.run(model, tokens, edits, reads=reads + ("layers.1.mlp.mlp_output.sae.latents",))
     np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(plain.logits))
     np.testing.assert_allclose(np.asarray(out["layers.1.mlp.mlp_output.sae.latents"]),
-                               np.asarray(tc.encode(plain["layers.mlp_norm_output"][1])), rtol=1e-5, atol=1e-5)
+                               np.asarray(tc.encode(plain["layers.mlp_norm_normalized"][1])), rtol=1e-5, atol=1e-5)
     zeroed = jstd.run(model, tokens, [*edits, jstd.Zero("layers.mlp.mlp_output.sae.error", layer=1)], reads=reads)
     np.testing.assert_allclose(np.asarray(zeroed["layers.mlp.mlp_output"][1]),
-                               np.asarray(tc(zeroed["layers.mlp_norm_output"][1])), rtol=1e-5, atol=1e-6)
+                               np.asarray(tc(zeroed["layers.mlp_norm_normalized"][1])), rtol=1e-5, atol=1e-6)
 
 
 def test_several_dictionaries_at_several_sites_in_one_call(model, tokens):

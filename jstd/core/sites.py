@@ -74,8 +74,10 @@ def _site(name, layout, meaning, editable=True, family=None):
 BLOCK_SITES = [
     # the stream
     ("layer_input", RESIDUAL, "The residual stream entering the block."),
+    ("attention_norm_normalized", RESIDUAL, "The stream normalised by the block's input norm before its weight: x / rms(x) (a LayerNorm's (x - mean) / std, before weight and bias), in the stream's dtype; TransformerLens' ln1.hook_normalized. Editing it changes what the weight multiplies."),
     ("attention_norm_output", RESIDUAL, "The normed stream entering the mixer (the output of the block's input norm)."),
     ("layer_mid", RESIDUAL, "The residual stream after the mixer's add: layer_input + attention_output."),
+    ("mlp_norm_normalized", RESIDUAL, "The stream normalised by the MLP's input norm before its weight: x / rms(x) (a LayerNorm's (x - mean) / std, before weight and bias), in the stream's dtype; TransformerLens' ln2.hook_normalized (Gemma 2 / 3: pre_feedforward_layernorm's). Editing it changes what the weight multiplies."),
     ("mlp_norm_output", RESIDUAL, "The normed stream entering the MLP (the output of the MLP's input norm)."),
     ("mlp_input", RESIDUAL, "What the MLP is called with."),
     ("layer_output", RESIDUAL, "The residual stream leaving the block: layer_mid + mlp_output."),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -62,6 +63,10 @@ class Attention(eqx.Module):
     (rows sum to ``1 - sink_probability``), ``sink_probability`` ``[batch, heads, query]`` the sink's share (an
     edit re-normalises the keys' mass: their probabilities become the softmax over the keys alone times
     ``1 - sink_probability``) and ``attention_sinks`` ``[heads]`` the logits themselves (read-only).
+
+    ``frozen_pattern`` (static; ``jstd.nn.frozen``): the probabilities (as
+    edited) are held constant for gradients, so a derivative sees attention as
+    a fixed mixing of the values; it takes the explicit path.
     """
 
     q: Float[Array, "embed heads head_dim"] = param("embed", "heads", "head_dim")
@@ -78,6 +83,7 @@ class Attention(eqx.Module):
     sliding_window: int | None = eqx.field(static=True, default=None)
     softcap: float | None = eqx.field(static=True, default=None)
     sinks: Float[Array, "heads"] | None = param("heads", default=None)
+    frozen_pattern: bool = eqx.field(static=True, default=False)
 
     host: ClassVar[str] = "self_attn"
     SITES: ClassVar[tuple[str, ...]] = (
@@ -129,11 +135,11 @@ class Attention(eqx.Module):
         if self.sinks is not None:
             s("self_attn.attention_sinks", self.sinks)
             interior += ("self_attn.sink_probability",)
-        if s.touches(*interior):
+        if self.frozen_pattern or s.touches(*interior):
             scores = s("self_attn.attention_scores", attn_kernels.scores(q, k, self.scale, mask, self.softcap))
             probs = attn_kernels.probabilities(scores) if self.sinks is None else self.sunk(scores, s)
             probs = s("self_attn.attention_probabilities", probs)
-            heads = attn_kernels.mix(probs, v)
+            heads = attn_kernels.mix(jax.lax.stop_gradient(probs) if self.frozen_pattern else probs, v)
         else:
             heads = attn_kernels.fused(q, k, v, self.scale, mask, self.softcap, self.sinks)
         heads = s("self_attn.attention_head_outputs", heads)

@@ -39,10 +39,11 @@ class Block(eqx.Module):
     post-norms only, HyperCLOVA X both and a multiplier. ``attn`` is softmax
     attention or a DeltaNet mixer (its ``host``: ``self_attn``, ``linear_attn``).
 
-    Values (relative names): ``layer_input``; ``attention_norm_output`` (with an
-    input norm; without, the mixer reads ``layer_input``); the mixer's values;
+    Values (relative names): ``layer_input``; ``attention_norm_normalized`` and
+    ``attention_norm_output`` (with an input norm: its ``x / rms(x)`` before the
+    weight, and its output; without, the mixer reads ``layer_input``); the mixer's values;
     ``{host}.attention_output`` (what the block adds: after the post-norm and
-    multiplier); ``layer_mid``; ``mlp_norm_output`` (with an MLP norm);
+    multiplier); ``layer_mid``; ``mlp_norm_normalized`` and ``mlp_norm_output`` (with an MLP norm);
     ``mlp_input``; the MLP's values; ``mlp.mlp_output``; ``layer_output``. So
     ``layer_input + attention_output + mlp_output == layer_output`` exactly on
     every block: a post-normed or multiplied contribution is ``rounded`` before
@@ -78,8 +79,8 @@ class Block(eqx.Module):
         """The values the block computes, by relative name."""
         host = self.attn.host
         rel = {"layer_input", "layer_mid", "mlp_input", "layer_output", f"{host}.attention_output", "mlp.mlp_output"}
-        rel |= {"attention_norm_output"} if self.attention_norm is not None else set()
-        rel |= {"mlp_norm_output"} if self.mlp_norm is not None else set()
+        rel |= {"attention_norm_output", "attention_norm_normalized"} if self.attention_norm is not None else set()
+        rel |= {"mlp_norm_output", "mlp_norm_normalized"} if self.mlp_norm is not None else set()
         rel |= {f"{host}.{x}" for x in self.attn.sites} | {f"mlp.{x}" for x in self.mlp.sites}
         rel |= {RAW_OUTPUT[host], RAW_OUTPUT["mlp"]} if self.raw_outputs else set()
         return frozenset(rel - {"layer_mid"} if self.parallel else rel)
@@ -111,11 +112,12 @@ class Block(eqx.Module):
         """One block over the stream ``h``; ``args``: what the mixer takes besides its input (``(cos_sin, mask)``)."""
         host = self.attn.host
         x = s("layer_input", h)
-        normed = x if self.attention_norm is None else s("attention_norm_output", self.attention_norm(x))
+        normed = x if self.attention_norm is None else s("attention_norm_output",
+                                                                  self.attention_norm(x, s, "attention_norm_normalized"))
         a = self.attn(normed, args, s, past)
         a = s(f"{host}.attention_output", self.contribution(host, a, self.attention_post_norm, s))
         mid = x if self.parallel else s("layer_mid", x + a)  # parallel: the MLP reads the block input too
-        m_in = mid if self.mlp_norm is None else s("mlp_norm_output", self.mlp_norm(mid))
+        m_in = mid if self.mlp_norm is None else s("mlp_norm_output", self.mlp_norm(mid, s, "mlp_norm_normalized"))
         m_in = s("mlp_input", m_in)
         m = s("mlp.mlp_output", self.contribution("mlp", self.mlp(m_in, s), self.mlp_post_norm, s))
         return s("layer_output", (m + a) + x if self.parallel else mid + m)

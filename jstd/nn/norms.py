@@ -3,6 +3,13 @@
 Each computes in float32 as transformers does and casts back; each owns its
 fragment of the name map (``entries``: its checkpoint tensors relative to the
 module, ``weight`` / ``bias``).
+
+Called with a tap scope and a site name (``norm(x, s, "mlp_norm_normalized")``: a block's norms), a norm serves
+its *normalized* value there: ``x / rms(x)`` (LayerNorm: ``(x - mean) / std``) before its weight (and bias), the
+value TransformerLens calls ``lnX.hook_normalized``, in the input's dtype; an edit there changes what the weight
+multiplies. ``frozen_scale`` (static; ``jstd.nn.frozen``) holds ``1 / rms`` (``1 / std``) constant for gradients:
+the forward value is unchanged, a derivative treats the norm as a fixed diagonal (the local linearisation that
+attribution graphs use).
 """
 
 from __future__ import annotations
@@ -14,6 +21,21 @@ from jaxtyping import Array, Float
 
 from jstd.nn.params import param, shape
 from jstd.nn.namemap import Entry
+
+
+def _scaled(x32, inverse, frozen: bool):
+    """``x32 · inverse`` with ``inverse`` held constant for gradients when ``frozen``."""
+    return x32 * (jax.lax.stop_gradient(inverse) if frozen else inverse)
+
+
+def _served(normed, dtype, s, site):
+    """The float32 ``normed`` passed through the tap at ``site`` in ``dtype`` (where it is read or edited): the
+    same float32 value when nothing edits it (a read does not round the forward), the edited value otherwise."""
+    if s is None or site is None or not s.touches(site):
+        return normed
+    read = normed.astype(dtype)
+    new = s(site, read)
+    return normed if new is read else new.astype(jnp.float32)
 
 
 class RMSNorm(eqx.Module):
@@ -30,6 +52,7 @@ class RMSNorm(eqx.Module):
     eps: float = eqx.field(static=True)
     weight_in_float32: bool = eqx.field(static=True, default=False)
     unit_offset: bool = eqx.field(static=True, default=False)
+    frozen_scale: bool = eqx.field(static=True, default=False)
 
     @property
     def effective_weight(self) -> Float[Array, "embed"]:
@@ -37,9 +60,11 @@ class RMSNorm(eqx.Module):
         w = self.weight.astype(jnp.float32)
         return 1.0 + w if self.unit_offset else w
 
-    def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
+    def __call__(self, x: Float[Array, "... embed"], s=None, site: str | None = None) -> Float[Array, "... embed"]:
+        """The normed ``x``; with a tap scope ``s`` and ``site``, ``x / rms(x)`` passes the tap there first."""
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        inverse = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        normed = _served(_scaled(x32, inverse, self.frozen_scale), x.dtype, s, site)
         if self.unit_offset:
             return (self.effective_weight * normed).astype(x.dtype)
         if self.weight_in_float32:
@@ -69,13 +94,16 @@ class LayerNorm(eqx.Module):
     weight: Float[Array, "embed"] = param("embed")
     bias: Float[Array, "embed"] = param("embed")
     eps: float = eqx.field(static=True)
+    frozen_scale: bool = eqx.field(static=True, default=False)
 
-    def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
+    def __call__(self, x: Float[Array, "... embed"], s=None, site: str | None = None) -> Float[Array, "... embed"]:
+        """The normed ``x``; with a tap scope ``s`` and ``site``, ``(x - mean) / std`` passes the tap there first."""
         x32 = x.astype(jnp.float32)
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         centered = x32 - mean
         var = jnp.mean(centered * centered, axis=-1, keepdims=True)
-        y = centered * jax.lax.rsqrt(var + self.eps) * self.weight.astype(jnp.float32) + self.bias.astype(jnp.float32)
+        normed = _served(_scaled(centered, jax.lax.rsqrt(var + self.eps), self.frozen_scale), x.dtype, s, site)
+        y = normed * self.weight.astype(jnp.float32) + self.bias.astype(jnp.float32)
         return y.astype(x.dtype)
 
     def entries(self, names=None) -> list[Entry]:

@@ -35,17 +35,22 @@ from jstd.sae.module import SAE, architecture_name
 CFG, WEIGHTS = "cfg.json", "sae_weights.safetensors"
 FIELDS = ("architecture", "d_in", "d_sae", "d_out", "dtype", "device", "apply_b_dec_to_input", "normalize_activations",
           "reshape_activations", "k", "rescale_acts_by_decoder_norm", "metadata", "hook_name", "hook_name_out")
-# TransformerLens hook (inside blocks.{i}.) -> the jstd block site
+# TransformerLens hook (inside blocks.{i}.) -> the jstd block site holding the same value. TransformerLens'
+# hook_mlp_in is the stream *before* the MLP's norm (resid_mid), lnX.hook_normalized is x / rms(x) *before* the
+# norm's weight; circuit-tracer's mlp.hook_in / mlp.hook_out (its ReplacementMLP's) are the MLP's input (the normed
+# stream with the weight) and output. The first hook naming a site is the one jstd writes for it.
 HOOKS = {
     "hook_resid_pre": "layers.layer_input",
     "hook_resid_mid": "layers.layer_mid",
     "hook_resid_post": "layers.layer_output",
     "hook_attn_out": "layers.self_attn.attention_output",
     "hook_mlp_out": "layers.mlp.mlp_output",
-    "hook_mlp_in": "layers.mlp_input",
-    "ln1.hook_normalized": "layers.attention_norm_output",
-    "ln2.hook_normalized": "layers.mlp_norm_output",
+    "ln1.hook_normalized": "layers.attention_norm_normalized",
+    "ln2.hook_normalized": "layers.mlp_norm_normalized",
     "mlp.hook_post": "layers.mlp.mlp_neurons",
+    "hook_mlp_in": "layers.layer_mid",
+    "mlp.hook_in": "layers.mlp_input",
+    "mlp.hook_out": "layers.mlp.mlp_output",
 }
 _TL = re.compile(r"^blocks\.(?P<layer>\d+)\.(?P<hook>.+)$")
 _DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16, "float64": jnp.float32}

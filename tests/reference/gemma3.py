@@ -19,5 +19,5 @@ class Gemma3Reference(WrapperReference):
 
         super().__init__(folder, dtype, GEMMA3_PATHS)
         text = self.paths["text"]
-        for site, (path, *rest) in GEMMA2_PLAN.items():
-            self.plan[site] = (path.replace("model.", text + ".", 1) if path.startswith("model.") else path, *rest)
+        self.plan = {**self.plan, **{site: (path.replace("model.", text + ".", 1) if path.startswith("model.") else path,
+                                            *rest) for site, (path, *rest) in GEMMA2_PLAN.items()}}

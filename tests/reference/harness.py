@@ -102,6 +102,36 @@ def sunk(tap, i: int, scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype) * (1 - edited)[..., None]
 
 
+NORMALIZED = {"attention_norm_output": "attention_norm_normalized", "mlp_norm_output": "mlp_norm_normalized"}
+
+
+def with_normalized(plan: dict) -> dict:
+    """``plan`` with each block norm's normalized value (``X_norm_normalized``: ``x / rms(x)`` before the weight)
+    computed from the same norm module's input, wherever the plan hooks that norm's output."""
+    def entry(e):
+        if isinstance(e, dict):
+            return {k: entry(v) for k, v in e.items()}
+        return (e[0], "normalized") if e[1] == "out" else None
+
+    out = dict(plan)
+    for site, e in plan.items():
+        stack, _, rel = site.rpartition(".")
+        if rel in NORMALIZED and (new := entry(e)) is not None:
+            out[f"{stack}.{NORMALIZED[rel]}"] = new
+    return out
+
+
+def normalized(module, x: torch.Tensor) -> torch.Tensor:
+    """A norm module's normalized input, before its weight: ``x / rms(x)`` (LayerNorm: ``(x - mean) / std``)
+    in float32 with the module's eps, cast to ``x``'s dtype (what TransformerLens' ``hook_normalized`` holds)."""
+    x32 = x.float()
+    eps = next(getattr(module, k) for k in ("variance_epsilon", "eps", "epsilon") if hasattr(module, k))
+    if isinstance(module, torch.nn.LayerNorm):
+        c = x32 - x32.mean(-1, keepdim=True)
+        return (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 @dataclasses.dataclass
 class TorchEdit:
     site: str
@@ -116,6 +146,14 @@ class TorchReference:
         self.model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=dtype).eval()
         self.plan = plan
         self.modeling = importlib.import_module(type(self.model).__module__)
+
+    @property
+    def plan(self) -> dict:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: dict):
+        self._plan = with_normalized(plan)
 
     @property
     def num_layers(self):
@@ -213,6 +251,10 @@ class TorchReference:
 
     @staticmethod
     def _hook(module, site, layer, where, tap):
+        if where == "normalized":  # read-only here: computed from the norm's input, what follows is torch's own
+            def read(mod, args, output):
+                tap(site, layer, normalized(mod, args[0]))
+            return module.register_forward_hook(read)
         if where == "in":
             def pre(mod, args, kwargs):
                 x = args[0] if args else kwargs["hidden_states"]

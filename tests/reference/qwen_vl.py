@@ -117,7 +117,7 @@ class QwenVLReference(WrapperReference):
                                      *rest)
         self.plan = {site: {kind: under(*e) for kind, e in entry.items()} if isinstance(entry, dict) else under(*entry)
                      for site, entry in text_plan.items()}
-        self.plan.update(vision_plan(tower, self.family))
+        self.plan = {**self.plan, **vision_plan(tower, self.family)}
         # Qwen3-VL's DeepStack taps: tap k is the k-th listed block in block order, through the merger the config
         # lists that block with
         listed = list(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())

@@ -74,8 +74,8 @@ class WrapperReference(TorchReference):
         text, tower = paths["text"], paths["tower"]
         self.plan = {site: (path.replace("model.", text + ".", 1) if path.startswith("model.") else path, *rest)
                      for site, (path, *rest) in LLAMA_PLAN.items()}
-        self.plan.update({site: (f"{tower}.{path}", *rest) for site, (path, *rest) in TOWER_PLAN.items()})
-        self.plan.update({"projector.input": (paths["projector"], "in"), "projector.output": (paths["projector"], "out")})
+        self.plan = {**self.plan, **{site: (f"{tower}.{path}", *rest) for site, (path, *rest) in TOWER_PLAN.items()},
+                     "projector.input": (paths["projector"], "in"), "projector.output": (paths["projector"], "out")}
         self.modeling = importlib.import_module(type(self._module(text)).__module__)
         self.tower_modeling = importlib.import_module(type(self._module(tower)).__module__)
         for i, layer in enumerate(self._module(tower).encoder.layers):

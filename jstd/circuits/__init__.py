@@ -1,0 +1,16 @@
+"""Attribution graphs (circuit tracing, Ameisen et al. 2025) as circuit-tracer 0.5.0 computes them: transcoder sets
+(``Transcoders``: per-layer and cross-layer, circuit-tracer's files and SAELens transcoders), ``attribute`` (the
+graph of a prompt in the local replacement model), ``prune`` and ``graph_scores``, the frontend JSON, and
+interventions on feature nodes."""
+
+from jstd.circuits.attribute import attribute, prompt_tokens
+from jstd.circuits.files import find_transcoders, from_saes, load_transcoders, save_transcoders
+from jstd.circuits.frontend import frontend_json, write_frontend
+from jstd.circuits.graph import Graph
+from jstd.circuits.interventions import frozen_effect, intervene
+from jstd.circuits.prune import Pruned, graph_scores, prune
+from jstd.circuits.transcoders import Transcoders
+
+__all__ = ["Transcoders", "load_transcoders", "save_transcoders", "find_transcoders", "from_saes", "attribute",
+           "prompt_tokens", "Graph", "prune", "Pruned", "graph_scores", "frontend_json", "write_frontend",
+           "intervene", "frozen_effect"]

@@ -1,0 +1,135 @@
+"""An attribution graph: nodes, the direct-effect adjacency, and how it is saved (safetensors + JSON, no pickle).
+
+Node order (circuit-tracer's, ``Graph`` of circuit-tracer 0.5.0): ``[selected features (in active order) | errors
+layer-major (block 0: positions 0..n-1, block 1: …) | tokens 0..n-1 | logit targets (in target order)]``, so
+``N = n_selected + L·n + n + k``. ``adjacency[target, source]`` is the direct effect of ``source`` on ``target``:
+on a feature, its pre-activation minus ``b_enc``; on a logit target, the demeaned logit (or the custom
+direction's value) at the final norm's output. Rows of errors and tokens and columns of logits are zero.
+
+``adjacency`` is a dense ``float32 [N, N]`` array: at 10⁵ features that is 40 GB, so large prompts bound the
+feature nodes (``max_feature_nodes``, circuit-tracer's own answer: the ``N`` features most influential on the
+logits, visited in influence order) — the dense matrix of the graph that is kept; the skipped features' effects
+are left out, not moved to errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from jstd.io.safetensors import SafetensorsFiles, write_tensors
+from jstd.io.staging import atomic
+
+ARRAYS = ("adjacency", "active_features", "activation_values", "selected_features", "input_tokens",
+          "logit_token_ids", "logit_probabilities", "logit_vectors")
+META = ("num_layers", "vocab_size", "logit_strings", "scan", "input_string", "prompt_tokens")
+GRAPH_FILE, META_FILE = "graph.safetensors", "graph_meta.json"
+
+
+@dataclasses.dataclass
+class Graph:
+    """One prompt's attribution graph (see the module docstring for the node order).
+
+    adjacency: ``[N, N] float32``, ``[target, source]``.
+    active_features: ``[n_active, 3] int64`` (block, position, feature) of every active feature, lexicographic.
+    activation_values: ``[n_active] float32``. selected_features: ``[n_selected] int64``, indices into
+    ``active_features`` of the feature nodes (all unless ``max_feature_nodes``).
+    input_tokens: ``[n] int64`` (the BOS included). logit_token_ids: ``[k]`` (vocab ids; ``vocab_size + i`` for
+    a custom direction ``i``); logit_probabilities ``[k]`` (or the custom weights); logit_vectors ``[k, d]``
+    (what each logit target reads at the final norm's output); logit_strings: their labels.
+    """
+
+    adjacency: np.ndarray
+    active_features: np.ndarray
+    activation_values: np.ndarray
+    selected_features: np.ndarray
+    input_tokens: np.ndarray
+    logit_token_ids: np.ndarray
+    logit_probabilities: np.ndarray
+    logit_vectors: np.ndarray
+    num_layers: int
+    vocab_size: int
+    logit_strings: list[str]
+    scan: str | None = None
+    input_string: str | None = None
+    prompt_tokens: list[str] | None = None
+
+    # ---- node bookkeeping --------------------------------------------------------------------------------------
+    @property
+    def n_pos(self) -> int:
+        return len(self.input_tokens)
+
+    @property
+    def n_features(self) -> int:
+        return len(self.selected_features)
+
+    @property
+    def n_logits(self) -> int:
+        return len(self.logit_token_ids)
+
+    @property
+    def error_start(self) -> int:
+        return self.n_features
+
+    @property
+    def token_start(self) -> int:
+        return self.n_features + self.num_layers * self.n_pos
+
+    @property
+    def logit_start(self) -> int:
+        return self.token_start + self.n_pos
+
+    @property
+    def n_nodes(self) -> int:
+        return self.logit_start + self.n_logits
+
+    def node(self, i: int) -> tuple:
+        """``("feature", layer, pos, feature)``, ``("error", layer, pos)``, ``("token", pos, id)`` or ``("logit",
+        k, id)`` for node ``i``."""
+        i = int(i)
+        if not 0 <= i < self.n_nodes:
+            raise IndexError(f"node {i} is outside 0..{self.n_nodes - 1}")
+        if i < self.n_features:
+            return ("feature", *map(int, self.active_features[self.selected_features[i]]))
+        if i < self.token_start:
+            return ("error", *divmod(i - self.error_start, self.n_pos))
+        if i < self.logit_start:
+            p = i - self.token_start
+            return ("token", p, int(self.input_tokens[p]))
+        k = i - self.logit_start
+        return ("logit", k, int(self.logit_token_ids[k]))
+
+    def feature_node(self, layer: int, pos: int, feature: int) -> int:
+        """The node index of feature ``(layer, pos, feature)``; KeyError if it is not a node of the graph."""
+        chosen = self.active_features[self.selected_features]
+        hit = np.nonzero((chosen == np.array([layer, pos, feature])).all(1))[0]
+        if not len(hit):
+            raise KeyError(f"feature (layer {layer}, pos {pos}, feature {feature}) is not a node of this graph")
+        return int(hit[0])
+
+    # ---- files -------------------------------------------------------------------------------------------------
+    def save(self, folder: str | os.PathLike) -> Path:
+        """``folder/graph.safetensors`` (the arrays) and ``folder/graph_meta.json`` (the rest), atomically."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        with atomic(folder / GRAPH_FILE, "wb") as fh:
+            write_tensors(fh, {k: np.ascontiguousarray(getattr(self, k)) for k in ARRAYS})
+        with atomic(folder / META_FILE, "w") as fh:
+            json.dump({k: getattr(self, k) for k in META}, fh, indent=1)
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike) -> "Graph":
+        """The graph ``save`` wrote in ``folder``. FileNotFoundError naming the missing file."""
+        folder = Path(folder)
+        for name in (GRAPH_FILE, META_FILE):
+            if not (folder / name).exists():
+                raise FileNotFoundError(f"{folder} has no {name}: Graph.save writes {GRAPH_FILE} and {META_FILE}")
+        files = SafetensorsFiles(folder / GRAPH_FILE)
+        arrays = {k: np.array(files.mapped(k, lazy=True)) for k in ARRAYS}
+        meta = json.loads((folder / META_FILE).read_text())
+        return cls(**arrays, **{k: meta.get(k) for k in META})
