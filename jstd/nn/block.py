@@ -57,7 +57,10 @@ class Block(eqx.Module):
     of ``layer_input``, and ``out = (mlp_output + attention_output) + x`` (torch's
     order); there is no stream between the two adds, so no ``layer_mid``
     (``unavailable`` says why) and an edit at ``attention_output`` does not reach
-    the block's own MLP.
+    the block's own MLP. A parallel block without an MLP norm (GPT-J, Phi: one
+    LayerNorm for both) gives the MLP the attention norm's output
+    (``mlp_input`` is ``attention_norm_output``, and an edit at
+    ``attention_norm_output`` reaches both sublayers).
     """
 
     attention_norm: RMSNorm | LayerNorm | None
@@ -115,7 +118,10 @@ class Block(eqx.Module):
         a = self.attn(normed, args, s, past)
         a = s(f"{host}.attention_output", self.contribution(host, a, self.attention_post_norm, s))
         mid = x if self.parallel else s("layer_mid", x + a)  # parallel: the MLP reads the block input too
-        m_in = mid if self.mlp_norm is None else s("mlp_norm_output", self.mlp_norm(mid))
+        if self.parallel and self.mlp_norm is None:  # one norm for both sublayers (GPT-J, Phi)
+            m_in = normed
+        else:
+            m_in = mid if self.mlp_norm is None else s("mlp_norm_output", self.mlp_norm(mid))
         m_in = s("mlp_input", m_in)
         m = s("mlp.mlp_output", self.contribution("mlp", self.mlp(m_in, s), self.mlp_post_norm, s))
         return s("layer_output", (m + a) + x if self.parallel else mid + m)

@@ -23,6 +23,7 @@ from jaxtyping import Array, Float
 
 from jstd.core.context import begin
 from jstd.kernels.mrope import mrope_positions
+from jstd.kernels.projection import add_bias
 from jstd.kernels.rope import Rotary
 from jstd.kernels.rounding import rounded, times
 from jstd.kernels.softcap import softcap
@@ -49,6 +50,8 @@ class CausalLM(Model):
     rotary_in_float32: bool = eqx.field(static=True, default=False)  # OLMo's rotary returns float32 cos/sin
     final_logit_softcapping: float | None = eqx.field(static=True, default=None)
     kind_rotary: tuple[tuple[str, Rotary | None], ...] = eqx.field(static=True, default=())  # block kind -> rotary
+    # the head's bias (GPT-J, Phi; None elsewhere)
+    lm_head_bias: Float[Array, "vocab"] | None = eqx.field(default=None, metadata={"axes": ("vocab",)})
 
     model_sites: ClassVar[frozenset[str]] = TEXT_MODEL_SITES
 
@@ -106,7 +109,8 @@ class CausalLM(Model):
         return h
 
     def head(self, normed: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
-        return normed @ (self.embed.T if self.lm_head is None else self.lm_head)
+        """The head's product (``lm_head_output``), plus its bias where it has one (GPT-J, Phi)."""
+        return add_bias(normed @ (self.embed.T if self.lm_head is None else self.lm_head), self.lm_head_bias)
 
     def scaled_logits(self, head_output: Float[Array, "... vocab"]) -> Float[Array, "... vocab"]:
         """The head's output times ``logits_scaling`` (the identity at 1): the logits before any soft-cap."""

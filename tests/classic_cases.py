@@ -1,0 +1,115 @@
+"""Tiny GPT-Neo, GPT-J, Phi, OPT and BLOOM configurations, their checkpoints and torch references (shared by the
+conformance suite and tests/test_classic.py).
+
+Each family's torch attention is its own (GPT-Neo's ``_attn``, BLOOM's ``forward``) or its own
+``eager_attention_forward`` with float32 scores (GPT-J): the references capture the attention interior through a
+copy of that very computation, taps added, so a bf16 run keeps torch's roundings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import BloomConfig, GPTJConfig, GPTNeoConfig, OPTConfig, PhiConfig
+
+from gpt2_neox_cases import make_checkpoint
+from reference.harness import TorchReference
+
+__all__ = ["make_checkpoint"]
+
+# ---- GPT-Neo ------------------------------------------------------------------------------------------------------
+
+GPT_NEO_BASE = dict(vocab_size=97, hidden_size=64, num_layers=3, num_heads=4, max_position_embeddings=64,
+                    attention_types=[[["global", "local"], 1], [["local"], 1]], window_size=4, bos_token_id=96,
+                    eos_token_id=96)
+GPT_NEO_CASES = {
+    "tinystories": dict(),                              # global, local, local; a window of 4 within 11 tokens
+    "untied": dict(tie_word_embeddings=False, intermediate_size=80, activation_function="gelu",
+                   attention_types=[[["global"], 3]]),
+}
+
+
+def gpt_neo_config(case: str) -> GPTNeoConfig:
+    return GPTNeoConfig(**{**GPT_NEO_BASE, **GPT_NEO_CASES[case]})
+
+
+GPT_NEO_PLAN = {
+    "token_embeddings": ("transformer.wte", "out"),
+    "position_embeddings": ("transformer.wpe", "out"),
+    "layers.layer_input": ("transformer.h.{i}", "in"),
+    "layers.attention_norm_output": ("transformer.h.{i}.ln_1", "out"),
+    "layers.layer_mid": ("transformer.h.{i}.ln_2", "in"),
+    "layers.mlp_norm_output": ("transformer.h.{i}.ln_2", "out"),
+    "layers.mlp_input": ("transformer.h.{i}.mlp", "in"),
+    "layers.layer_output": ("transformer.h.{i}", "out0"),
+    "layers.self_attn.attention_premix": ("transformer.h.{i}.attn.attention.out_proj", "in"),
+    "layers.self_attn.attention_output": ("transformer.h.{i}.attn", "out0"),
+    "layers.mlp.mlp_activation": ("transformer.h.{i}.mlp.act", "out"),
+    "layers.mlp.mlp_neurons": ("transformer.h.{i}.mlp.c_proj", "in"),
+    "layers.mlp.mlp_output": ("transformer.h.{i}.mlp", "out"),
+    "final_norm_output": ("transformer.ln_f", "out"),
+    "lm_head_output": ("lm_head", "out"),
+}
+
+
+class LearnedPositionsReference(TorchReference):
+    """A reference whose learned position table may run on ``[1, seq]`` position ids (GPT-2's, GPT-Neo's): its
+    ``position_embeddings`` broadcast over the batch (an edit there hands the model the batch-shaped value, which
+    the add broadcasts the same way)."""
+
+    def __init__(self, folder, dtype=torch.float32, plan=GPT_NEO_PLAN):
+        super().__init__(folder, dtype, plan)
+        self._batch = 1
+
+    def run(self, tokens, reads=(), edits=(), attention_mask=None):
+        self._batch = len(tokens)
+        return super().run(tokens, reads, edits, attention_mask)
+
+    def _to_jstd(self, site, t):
+        if site == "position_embeddings":
+            return t.expand(self._batch, *t.shape[1:])
+        return super()._to_jstd(site, t)
+
+    def _from_jstd(self, site, t, like):
+        return t if site == "position_embeddings" else super()._from_jstd(site, t, like)
+
+
+def _interior(tap, i, query, key, value, scores_of, dtype_after):
+    """The taps of the attention interior around a family's own score computation: queries, keys, values, scores
+    (``scores_of(q, k)``, masked), probabilities (float32 softmax cast to ``dtype_after``), head outputs
+    ``[batch, seq, heads, dim]``. Returns (head outputs, probabilities)."""
+    site = "layers.self_attn."
+    query = tap(site + "attention_queries", i, query)
+    key = tap(site + "attention_keys", i, key)
+    value = tap(site + "attention_values", i, value)
+    scores = tap(site + "attention_scores", i, scores_of(query, key))
+    probs = tap(site + "attention_probabilities", i, torch.softmax(scores, -1, dtype=torch.float32).to(dtype_after))
+    out = tap(site + "attention_head_outputs", i, torch.matmul(probs, value).transpose(1, 2).contiguous())
+    return out, probs
+
+
+class GPTNeoReference(LearnedPositionsReference):
+    """GPT-Neo: ``GPTNeoSelfAttention._attn`` (unscaled float32 scores, the block's causal or local mask buffer,
+    then the padding mask) with taps."""
+
+    @contextlib.contextmanager
+    def _attention(self, tap, modeling=None):
+        cls = self.modeling.GPTNeoSelfAttention
+        original = cls._attn
+
+        def attn(module, query, key, value, attention_mask=None):
+            def scores_of(q, k):
+                s = torch.matmul(q.to(torch.float32), k.to(torch.float32).transpose(-1, -2))
+                ql, kl = q.size(-2), k.size(-2)
+                causal = module.bias[:, :, kl - ql:kl, :kl]
+                s = torch.where(causal, s, torch.tensor(torch.finfo(s.dtype).min, dtype=s.dtype))
+                return s if attention_mask is None else s + attention_mask
+            out, probs = _interior(tap, module.layer_id, query, key, value, scores_of, value.dtype)
+            return out.transpose(1, 2), probs  # _attn returns [batch, heads, seq, dim]; forward merges the heads
+
+        cls._attn = attn
+        try:
+            yield
+        finally:
+            cls._attn = original
