@@ -113,3 +113,58 @@ class GPTNeoReference(LearnedPositionsReference):
             yield
         finally:
             cls._attn = original
+
+
+class Float32ScoresReference(TorchReference):
+    """A family whose ``eager_attention_forward`` casts queries and keys to float32 (GPT-J): the capture does too."""
+
+    @contextlib.contextmanager
+    def _attention(self, tap, modeling=None):
+        modeling = self.modeling
+        original = modeling.eager_attention_forward
+
+        def eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+            def scores_of(q, k):
+                s = torch.matmul(q.to(torch.float32), k.to(torch.float32).transpose(2, 3)) * scaling
+                return s if attention_mask is None else s + attention_mask
+            return _interior(tap, module.layer_idx, query, key, value, scores_of, value.dtype)
+
+        modeling.eager_attention_forward = eager
+        try:
+            yield
+        finally:
+            modeling.eager_attention_forward = original
+
+
+# ---- GPT-J --------------------------------------------------------------------------------------------------------
+
+GPTJ_BASE = dict(vocab_size=97, n_embd=64, n_layer=3, n_head=4, n_positions=64, rotary_dim=8, bos_token_id=96,
+                 eos_token_id=96)
+GPTJ_CASES = {
+    "6b": dict(),                                        # GPT-J-6B's shape, shrunk: rotary on 8 of 16 dims a head
+    "tied": dict(rotary_dim=16, n_inner=80, tie_word_embeddings=True, activation_function="gelu"),
+}
+
+
+def gptj_config(case: str) -> GPTJConfig:
+    return GPTJConfig(**{**GPTJ_BASE, **GPTJ_CASES[case]})
+
+
+GPTJ_PLAN = {
+    "token_embeddings": ("transformer.wte", "out"),
+    "layers.layer_input": ("transformer.h.{i}", "in"),
+    "layers.attention_norm_output": ("transformer.h.{i}.ln_1", "out"),
+    "layers.mlp_input": ("transformer.h.{i}.mlp", "in"),
+    "layers.layer_output": ("transformer.h.{i}", "out"),
+    "layers.self_attn.attention_premix": ("transformer.h.{i}.attn.out_proj", "in"),
+    "layers.self_attn.attention_output": ("transformer.h.{i}.attn", "out0"),
+    "layers.mlp.mlp_activation": ("transformer.h.{i}.mlp.act", "out"),
+    "layers.mlp.mlp_neurons": ("transformer.h.{i}.mlp.fc_out", "in"),
+    "layers.mlp.mlp_output": ("transformer.h.{i}.mlp", "out"),
+    "final_norm_output": ("transformer.ln_f", "out"),
+    "lm_head_output": ("lm_head", "out"),
+}
+
+
+def gptj_reference(folder, dtype=torch.float32):
+    return Float32ScoresReference(folder, dtype, GPTJ_PLAN)
