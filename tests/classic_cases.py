@@ -168,3 +168,38 @@ GPTJ_PLAN = {
 
 def gptj_reference(folder, dtype=torch.float32):
     return Float32ScoresReference(folder, dtype, GPTJ_PLAN)
+
+
+# ---- Phi ----------------------------------------------------------------------------------------------------------
+
+PHI_BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                max_position_embeddings=64, partial_rotary_factor=0.5, bos_token_id=96, eos_token_id=96)
+PHI_CASES = {
+    "2": dict(),                                        # Phi-2's shape, shrunk: rotary on 8 of 16 dims a head
+    "qk_layernorm": dict(qk_layernorm=True, num_key_value_heads=2, partial_rotary_factor=0.25,
+                         tie_word_embeddings=True),
+}
+
+
+def phi_config(case: str) -> PhiConfig:
+    return PhiConfig(**{**PHI_BASE, **PHI_CASES[case]})
+
+
+PHI_PLAN = {
+    "token_embeddings": ("model.embed_tokens", "out"),
+    "layers.layer_input": ("model.layers.{i}", "in"),
+    "layers.attention_norm_output": ("model.layers.{i}.input_layernorm", "out"),
+    "layers.mlp_input": ("model.layers.{i}.mlp", "in"),
+    "layers.layer_output": ("model.layers.{i}", "out"),
+    "layers.self_attn.attention_premix": ("model.layers.{i}.self_attn.dense", "in"),
+    "layers.self_attn.attention_output": ("model.layers.{i}.self_attn", "out0"),
+    "layers.mlp.mlp_activation": ("model.layers.{i}.mlp.activation_fn", "out"),
+    "layers.mlp.mlp_neurons": ("model.layers.{i}.mlp.fc2", "in"),
+    "layers.mlp.mlp_output": ("model.layers.{i}.mlp", "out"),
+    "final_norm_output": ("model.final_layernorm", "out"),
+    "lm_head_output": ("lm_head", "out"),
+}
+
+
+def phi_reference(folder, dtype=torch.float32):
+    return TorchReference(folder, dtype, PHI_PLAN)
