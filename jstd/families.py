@@ -9,6 +9,7 @@ from jstd.models.gpt2 import GPT2
 from jstd.models.gpt_neo import GPTNeo
 from jstd.models.gptj import GPTJ
 from jstd.models.phi import Phi
+from jstd.models.opt import OPT
 from jstd.models.gpt_neox import GPTNeoX
 from jstd.models.hyperclovax import HyperCLOVAX
 from jstd.models.llama import Llama
@@ -40,7 +41,7 @@ from jstd.vision.towers import CLIPVision, SiglipVision
 from jstd.vision.qwen3_vl_moe import Qwen3_5MoeVL, Qwen3VLMoe
 
 FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwen3_5Text, Gemma, Olmo2, Qwen3, Phi3, SmolLM3,
-                           GPT2, GPTNeoX, GPTNeo, GPTJ, Phi,
+                           GPT2, GPTNeoX, GPTNeo, GPTJ, Phi, OPT,
                            Mistral, Qwen2, Gemma2, Gemma3Text, Olmo3,
                            CLIPVision, SiglipVision, Llava,
                            VipLlava, DeepseekVL, LlavaNext, Idefics3, SmolVLM, QwenVisionTower, Qwen2VL,

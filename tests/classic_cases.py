@@ -203,3 +203,60 @@ PHI_PLAN = {
 
 def phi_reference(folder, dtype=torch.float32):
     return TorchReference(folder, dtype, PHI_PLAN)
+
+
+# ---- OPT ----------------------------------------------------------------------------------------------------------
+
+OPT_BASE = dict(vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=3, num_attention_heads=4,
+                max_position_embeddings=64, word_embed_proj_dim=64, bos_token_id=2, eos_token_id=2, pad_token_id=1)
+OPT_CASES = {
+    "125m": dict(),                                     # OPT-125M's shape, shrunk: pre-norm, tied, relu
+    "projected": dict(word_embed_proj_dim=32, tie_word_embeddings=False, activation_function="gelu"),
+}
+
+
+def opt_config(case: str) -> OPTConfig:
+    return OPTConfig(**{**OPT_BASE, **OPT_CASES[case]})
+
+
+OPT_PLAN = {
+    "token_embeddings": ("model.decoder.embed_tokens", "out"),
+    "position_embeddings": ("model.decoder.embed_positions", "out"),
+    "layers.layer_input": ("model.decoder.layers.{i}", "in"),
+    "layers.attention_norm_output": ("model.decoder.layers.{i}.self_attn_layer_norm", "out"),
+    "layers.layer_mid": ("model.decoder.layers.{i}.final_layer_norm", "in"),
+    "layers.mlp_norm_output": ("model.decoder.layers.{i}.final_layer_norm", "out"),
+    "layers.mlp_input": ("model.decoder.layers.{i}.fc1", "in"),
+    "layers.layer_output": ("model.decoder.layers.{i}", "out"),
+    "layers.self_attn.attention_premix": ("model.decoder.layers.{i}.self_attn.out_proj", "in"),
+    "layers.self_attn.attention_output": ("model.decoder.layers.{i}.self_attn", "out0"),
+    "layers.mlp.mlp_activation": ("model.decoder.layers.{i}.activation_fn", "out"),
+    "layers.mlp.mlp_neurons": ("model.decoder.layers.{i}.fc2", "in"),
+    "layers.mlp.mlp_output": ("model.decoder.layers.{i}.fc2", "out"),
+    "final_norm_output": ("model.decoder.final_layer_norm", "out"),
+    "lm_head_output": ("lm_head", "out"),
+}
+
+
+class OPTReference(TorchReference):
+    """OPT's reference: its queries leave ``q_proj`` already scaled by ``1/sqrt(head_dim)`` (and its eager attention
+    scales by 1), so jstd's ``attention_queries`` (before the scale) are torch's divided by it, and an edit there
+    comes back multiplied. The block's MLP half runs on ``[batch · seq, hidden]`` rows: captured values are reshaped
+    to ``[batch, seq, …]``."""
+
+    def __init__(self, folder, dtype=torch.float32):
+        super().__init__(folder, dtype, OPT_PLAN)
+        config = self.model.config
+        self.scaling = (config.hidden_size // config.num_attention_heads) ** -0.5
+
+    def run(self, tokens, reads=(), edits=(), attention_mask=None):
+        self._batch = len(tokens)
+        return super().run(tokens, reads, edits, attention_mask)
+
+    def _to_jstd(self, site, t):
+        if t.ndim == 2 and site.startswith("layers."):  # the MLP half runs on [batch * seq, hidden] rows
+            t = t.reshape(self._batch, -1, t.shape[-1])
+        return t / self.scaling if site.endswith("attention_queries") else super()._to_jstd(site, t)
+
+    def _from_jstd(self, site, t, like):
+        return t * self.scaling if site.endswith("attention_queries") else super()._from_jstd(site, t, like)

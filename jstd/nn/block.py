@@ -135,5 +135,6 @@ class Block(eqx.Module):
             if module is not None:
                 if part not in names:
                     raise ValueError(f"the block has {part} but the family's names do not say where it is stored")
-                entries += [e.under(names[part] + ".", part + ".") for e in module.entries(names)]
+                prefix = names[part] + "." if names[part] else ""  # "": the part's tensors sit in the block (OPT's fc1)
+                entries += [e.under(prefix, part + ".") for e in module.entries(names)]
         return entries
