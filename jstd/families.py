@@ -10,6 +10,7 @@ from jstd.models.gpt_neo import GPTNeo
 from jstd.models.gptj import GPTJ
 from jstd.models.phi import Phi
 from jstd.models.opt import OPT
+from jstd.models.bloom import Bloom
 from jstd.models.gpt_neox import GPTNeoX
 from jstd.models.hyperclovax import HyperCLOVAX
 from jstd.models.llama import Llama
@@ -41,7 +42,7 @@ from jstd.vision.towers import CLIPVision, SiglipVision
 from jstd.vision.qwen3_vl_moe import Qwen3_5MoeVL, Qwen3VLMoe
 
 FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwen3_5Text, Gemma, Olmo2, Qwen3, Phi3, SmolLM3,
-                           GPT2, GPTNeoX, GPTNeo, GPTJ, Phi, OPT,
+                           GPT2, GPTNeoX, GPTNeo, GPTJ, Phi, OPT, Bloom,
                            Mistral, Qwen2, Gemma2, Gemma3Text, Olmo3,
                            CLIPVision, SiglipVision, Llava,
                            VipLlava, DeepseekVL, LlavaNext, Idefics3, SmolVLM, QwenVisionTower, Qwen2VL,

@@ -260,3 +260,69 @@ class OPTReference(TorchReference):
 
     def _from_jstd(self, site, t, like):
         return t * self.scaling if site.endswith("attention_queries") else super()._from_jstd(site, t, like)
+
+
+# ---- BLOOM --------------------------------------------------------------------------------------------------------
+
+BLOOM_BASE = dict(vocab_size=97, hidden_size=64, n_layer=3, n_head=4, bos_token_id=1, eos_token_id=2)
+BLOOM_CASES = {
+    "560m": dict(),                                     # BLOOM-560M's shape, shrunk: ALiBi over 4 heads
+    "heads6": dict(n_head=6, hidden_size=96, tie_word_embeddings=False),   # 6 heads: the slopes of 4, then 2
+}
+
+
+def bloom_config(case: str) -> BloomConfig:
+    return BloomConfig(**{**BLOOM_BASE, **BLOOM_CASES[case]})
+
+
+BLOOM_PLAN = {
+    "token_embeddings": ("transformer.word_embeddings", "out"),
+    "layers.layer_input": ("transformer.h.{i}", "in"),
+    "layers.attention_norm_output": ("transformer.h.{i}.input_layernorm", "out"),
+    "layers.layer_mid": ("transformer.h.{i}.post_attention_layernorm", "in"),
+    "layers.mlp_norm_output": ("transformer.h.{i}.post_attention_layernorm", "out"),
+    "layers.mlp_input": ("transformer.h.{i}.mlp", "in"),
+    "layers.layer_output": ("transformer.h.{i}", "out0"),
+    "layers.self_attn.attention_premix": ("transformer.h.{i}.self_attention.dense", "in"),
+    "layers.self_attn.attention_output": ("transformer.h.{i}.self_attention.dense", "out"),
+    "layers.mlp.mlp_activation": ("transformer.h.{i}.mlp.gelu_impl", "out"),
+    "layers.mlp.mlp_neurons": ("transformer.h.{i}.mlp.dense_4h_to_h", "in"),
+    "layers.mlp.mlp_output": ("transformer.h.{i}.mlp.dense_4h_to_h", "out"),
+    "final_norm_output": ("transformer.ln_f", "out"),
+    "lm_head_output": ("lm_head", "out"),
+}
+
+
+class BloomReference(TorchReference):
+    """BLOOM: ``BloomAttention.forward`` (ALiBi through ``baddbmm``, the padding mask, a float32 softmax) with taps."""
+
+    def __init__(self, folder, dtype=torch.float32):
+        super().__init__(folder, dtype, BLOOM_PLAN)
+
+    @contextlib.contextmanager
+    def _attention(self, tap, modeling=None):
+        cls = self.modeling.BloomAttention
+        original = cls.forward
+
+        def forward(module, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                    output_attentions=False, **kwargs):
+            batch, q_length, _ = hidden_states.shape
+            query, key, value = module._reshape(module.query_key_value(hidden_states))
+            if layer_past is not None:
+                key, value = layer_past.update(key, value, module.layer_idx)
+
+            def scores_of(q, k):
+                q2 = q.reshape(batch * module.num_heads, -1, module.head_dim)
+                k2 = k.reshape(batch * module.num_heads, -1, module.head_dim).transpose(-1, -2)
+                s = alibi.baddbmm(batch1=q2, batch2=k2, beta=module.beta, alpha=module.inv_norm_factor)
+                s = s.view(batch, module.num_heads, q_length, -1)
+                return s if attention_mask is None else s + attention_mask
+            out, probs = _interior(tap, module.layer_idx, query, key, value, scores_of, query.dtype)
+            out = module.dense(out.reshape(batch, q_length, -1))
+            return residual + out, probs
+
+        cls.forward = forward
+        try:
+            yield
+        finally:
+            cls.forward = original

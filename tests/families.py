@@ -249,6 +249,8 @@ CASES: dict[str, Spec] = {
                         reference=classic_cases.phi_reference) for c in classic_cases.PHI_CASES},
     **{f"opt-{c}": Spec(lambda c=c: classic_cases.opt_config(c), make=classic_cases.make_checkpoint, seed=7,
                         reference=classic_cases.OPTReference) for c in classic_cases.OPT_CASES},
+    **{f"bloom-{c}": Spec(lambda c=c: classic_cases.bloom_config(c), make=classic_cases.make_checkpoint, seed=7,
+                          reference=classic_cases.BloomReference) for c in classic_cases.BLOOM_CASES},
     "clip": Spec(lambda: CLIPVisionConfig(**TOWER, hidden_act="quick_gelu"), make=make_tower_checkpoint,
                  reference=TowerReference, tower=True),
     "siglip": Spec(lambda: SiglipVisionConfig(**TOWER), make=make_tower_checkpoint, reference=TowerReference,
@@ -323,7 +325,7 @@ CASES.update({
 })
 MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "qwen3_5_text-released", "clip", "siglip",
         "llava", "idefics3", "qwen2_5_vl", "gemma-2b",
-        "gpt2-small", "gpt_neox-parallel", "qwen3_moe", "gpt_neo-tinystories", "gptj-6b", "phi-2", "opt-125m")
+        "gpt2-small", "gpt_neox-parallel", "qwen3_moe", "gpt_neo-tinystories", "gptj-6b", "phi-2", "opt-125m", "bloom-560m")
 TEXT_MAIN = tuple(c for c in MAIN if not CASES[c].tower and not CASES[c].wrapper)
 # the first case of each family and tower ("llama-mha", …, "llava"; a case's family is its name before "-")
 _FIRST: dict[str, str] = {}
