@@ -212,6 +212,7 @@ OPT_BASE = dict(vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=3, 
 OPT_CASES = {
     "125m": dict(),                                     # OPT-125M's shape, shrunk: pre-norm, tied, relu
     "projected": dict(word_embed_proj_dim=32, tie_word_embeddings=False, activation_function="gelu"),
+    "350m": dict(do_layer_norm_before=False, word_embed_proj_dim=32),  # OPT-350M: post-norm, projected, tied
 }
 
 
@@ -238,6 +239,15 @@ OPT_PLAN = {
 }
 
 
+# post-norm blocks (do_layer_norm_before=False): the stream the MLP reads is self_attn_layer_norm's output, and
+# there is no pre-norm and no final norm
+OPT_POST_NORM_PLAN = {
+    **{k: v for k, v in OPT_PLAN.items() if k not in ("layers.attention_norm_output", "layers.mlp_norm_output",
+                                                      "final_norm_output")},
+    "layers.layer_mid": ("model.decoder.layers.{i}.self_attn_layer_norm", "out"),
+}
+
+
 class OPTReference(TorchReference):
     """OPT's reference: its queries leave ``q_proj`` already scaled by ``1/sqrt(head_dim)`` (and its eager attention
     scales by 1), so jstd's ``attention_queries`` (before the scale) are torch's divided by it, and an edit there
@@ -247,6 +257,7 @@ class OPTReference(TorchReference):
     def __init__(self, folder, dtype=torch.float32):
         super().__init__(folder, dtype, OPT_PLAN)
         config = self.model.config
+        self.plan = OPT_PLAN if config.do_layer_norm_before else OPT_POST_NORM_PLAN
         self.scaling = (config.hidden_size // config.num_attention_heads) ** -0.5
 
     def run(self, tokens, reads=(), edits=(), attention_mask=None):

@@ -21,8 +21,13 @@ The quirks a port gets wrong silently:
   ``q_proj``'s output before that scale (as on every other family) and ``attention_scores`` are the scaled
   products, equal to torch's.
 
-Refused, with the reason: ``do_layer_norm_before=False`` (OPT-350M's post-norm blocks), ``enable_bias=False``,
-``layer_norm_elementwise_affine=False`` and ``_remove_final_layer_norm``.
+* ``do_layer_norm_before=False`` (OPT-350M): post-norm blocks, ``mid = self_attn_layer_norm(x + attn(x))``,
+  ``out = final_layer_norm(mid + mlp(mid))`` (``Block.norm_after_add``), and no final norm: ``layer_mid`` is the
+  normed stream the MLP reads, there is no ``attention_norm_output``, ``mlp_norm_output`` or
+  ``final_norm_output``, the head reads the last ``layer_output``, and direct logit attribution is refused (the
+  stream is no sum of contributions).
+
+Refused, with the reason: ``enable_bias=False`` and ``layer_norm_elementwise_affine=False``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,12 @@ from jstd.nn.params import shape
 OPT_NAMES = {"attention_norm": "self_attn_layer_norm", "attn": "self_attn", "mlp_norm": "final_layer_norm",
              "mlp": "", "out": "out_proj"}
 PREFIX = "model.decoder."
+
+
+def final_norm(hf) -> bool:
+    """Whether the decoder ends with ``final_layer_norm`` (transformers: pre-norm blocks, unless
+    ``_remove_final_layer_norm``)."""
+    return bool(hf.do_layer_norm_before) and not getattr(hf, "_remove_final_layer_norm", False)
 
 
 class OPTLM(GPT2LM):
@@ -75,11 +86,8 @@ class OPT(TextFamily):
     @classmethod
     def standard_config(cls, hf) -> ModelConfig:
         for key, bad, why in (
-                ("do_layer_norm_before", False, "post-norm blocks (OPT-350M): each sublayer's sum is normed after "
-                                                "the add"),
                 ("enable_bias", False, "projections without biases"),
-                ("layer_norm_elementwise_affine", False, "LayerNorms without weights"),
-                ("_remove_final_layer_norm", True, "no final norm")):
+                ("layer_norm_elementwise_affine", False, "LayerNorms without weights")):
             if getattr(hf, key, not bad) == bad:
                 raise ValueError(f"opt: {key}={bad} ({why}) is not supported; jstd runs OPT's pre-norm blocks with "
                                  "biases and affine LayerNorms (OPT-125M, 1.3B … 66B)")
@@ -100,15 +108,25 @@ class OPT(TextFamily):
 
     @classmethod
     def block(cls, hf, c: ModelConfig, kind: str, dtype) -> Block:
+        pre = bool(hf.do_layer_norm_before)  # False: OPT-350M's post-norm blocks, each sum normed after the add
+        norm = cls.norm(hf, c, dtype)
         return Block(
-            attention_norm=cls.norm(hf, c, dtype),
+            attention_norm=norm if pre else None,
             attn=Attention.skeleton(c.hidden_size, c.num_heads, c.num_heads, c.head_dim, c.head_dim ** -0.5, True,
                                     True, dtype),
-            attention_post_norm=None,
-            mlp_norm=cls.norm(hf, c, dtype),
+            attention_post_norm=None if pre else norm,
+            mlp_norm=norm if pre else None,
             mlp=MLP.skeleton(c.hidden_size, c.intermediate_size, hf.activation_function, dtype),
-            mlp_post_norm=None,
+            mlp_post_norm=None if pre else norm,
+            norm_after_add=not pre,
         )
+
+    @classmethod
+    def names(cls, hf, kind: str) -> dict:
+        if hf.do_layer_norm_before:
+            return OPT_NAMES
+        return {**{k: v for k, v in OPT_NAMES.items() if k not in ("attention_norm", "mlp_norm")},
+                "attention_post_norm": "self_attn_layer_norm", "mlp_post_norm": "final_layer_norm"}
 
     @classmethod
     def skeleton(cls, hf, dtype) -> OPTLM:
@@ -119,21 +137,18 @@ class OPT(TextFamily):
         return dataclasses.replace(
             model, embed=shape(c.vocab_size, proj, dtype=dtype),
             lm_head=None if model.lm_head is None else shape(proj, c.vocab_size, dtype=dtype),
+            final_norm=model.final_norm if final_norm(hf) else None,
             position_embed=shape(hf.max_position_embeddings + 2, c.hidden_size, dtype=dtype), position_offset=2,
             project_in=shape(proj, c.hidden_size, dtype=dtype) if projected else None,
             project_out=shape(c.hidden_size, proj, dtype=dtype) if projected else None)
-
-    @classmethod
-    def names(cls, hf, kind: str) -> dict:
-        return OPT_NAMES
 
     @classmethod
     def name_map(cls, hf, skeleton=None) -> list[Entry]:
         skeleton = skeleton if skeleton is not None else cls.skeleton(hf, "float32")
         return [
             Entry(PREFIX + "embed_tokens.weight", "embed"), Entry(PREFIX + "embed_positions.weight", "position_embed"),
-            Entry(PREFIX + "final_layer_norm.weight", "final_norm.weight"),
-            Entry(PREFIX + "final_layer_norm.bias", "final_norm.bias"),
+            *([] if skeleton.final_norm is None else [Entry(PREFIX + "final_layer_norm.weight", "final_norm.weight"),
+                                                      Entry(PREFIX + "final_layer_norm.bias", "final_norm.bias")]),
             *([] if skeleton.project_in is None else [Entry(PREFIX + "project_in.weight", "project_in", linear),
                                                       Entry(PREFIX + "project_out.weight", "project_out", linear)]),
             *([] if skeleton.lm_head is None else [Entry("lm_head.weight", "lm_head", linear)]),
