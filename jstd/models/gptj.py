@@ -17,8 +17,6 @@ The quirks a port gets wrong silently:
 * Queries and keys are cast to float32 before the scaled product (``Attention.float32_scores``; its
   ``eager_attention_forward``).
 * The head has a bias (``CausalLM.lm_head_bias``), which ``lm_head_output`` includes.
-
-Refused: ``rotary_dim`` None (torch's table would then be ``n_embd`` wide, which only one head fits).
 """
 
 from __future__ import annotations
@@ -56,9 +54,6 @@ class GPTJ(TextFamily):
 
     @classmethod
     def standard_config(cls, hf) -> ModelConfig:
-        if hf.rotary_dim is None:
-            raise ValueError("gptj: rotary_dim=None is not supported (transformers' sinusoid table is then n_embd "
-                             "wide, which fits one head only); set rotary_dim to the rotated dims of a head")
         head_dim = hf.n_embd // hf.n_head
         return ModelConfig(
             model_type=hf.model_type, num_layers=hf.n_layer, hidden_size=hf.n_embd, num_heads=hf.n_head,
