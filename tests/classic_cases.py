@@ -13,7 +13,7 @@ import contextlib
 import torch
 from transformers import BloomConfig, GPTJConfig, GPTNeoConfig, OPTConfig, PhiConfig
 
-from gpt2_neox_cases import make_checkpoint
+from gpt2_neox_cases import GPT2Reference, make_checkpoint
 from reference.harness import TorchReference
 
 __all__ = ["make_checkpoint"]
@@ -53,28 +53,6 @@ GPT_NEO_PLAN = {
 }
 
 
-class LearnedPositionsReference(TorchReference):
-    """A reference whose learned position table may run on ``[1, seq]`` position ids (GPT-2's, GPT-Neo's): its
-    ``position_embeddings`` broadcast over the batch (an edit there hands the model the batch-shaped value, which
-    the add broadcasts the same way)."""
-
-    def __init__(self, folder, dtype=torch.float32, plan=GPT_NEO_PLAN):
-        super().__init__(folder, dtype, plan)
-        self._batch = 1
-
-    def run(self, tokens, reads=(), edits=(), attention_mask=None):
-        self._batch = len(tokens)
-        return super().run(tokens, reads, edits, attention_mask)
-
-    def _to_jstd(self, site, t):
-        if site == "position_embeddings":
-            return t.expand(self._batch, *t.shape[1:])
-        return super()._to_jstd(site, t)
-
-    def _from_jstd(self, site, t, like):
-        return t if site == "position_embeddings" else super()._from_jstd(site, t, like)
-
-
 def _interior(tap, i, query, key, value, scores_of, dtype_after):
     """The taps of the attention interior around a family's own score computation: queries, keys, values, scores
     (``scores_of(q, k)``, masked), probabilities (float32 softmax cast to ``dtype_after``), head outputs
@@ -89,9 +67,12 @@ def _interior(tap, i, query, key, value, scores_of, dtype_after):
     return out, probs
 
 
-class GPTNeoReference(LearnedPositionsReference):
-    """GPT-Neo: ``GPTNeoSelfAttention._attn`` (unscaled float32 scores, the block's causal or local mask buffer,
-    then the padding mask) with taps."""
+class GPTNeoReference(GPT2Reference):
+    """GPT-Neo: GPT-2's learned positions, and ``GPTNeoSelfAttention._attn`` (unscaled float32 scores, the block's
+    causal or local mask buffer, then the padding mask) with taps."""
+
+    def __init__(self, folder, dtype=torch.float32):
+        super().__init__(folder, dtype, GPT_NEO_PLAN)
 
     @contextlib.contextmanager
     def _attention(self, tap, modeling=None):

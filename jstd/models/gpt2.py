@@ -150,7 +150,8 @@ class GPT2(TextFamily):
     @classmethod
     def skeleton(cls, hf, dtype) -> GPT2LM:
         model = super().skeleton(hf, dtype)
-        return dataclasses.replace(model, position_embed=shape(hf.n_positions, hf.hidden_size, dtype=dtype))
+        return dataclasses.replace(model, position_embed=shape(hf.max_position_embeddings, hf.hidden_size,
+                                                               dtype=dtype))  # GPT-2's n_positions
 
     @classmethod
     def names(cls, hf, kind: str) -> dict:

@@ -27,23 +27,21 @@ import dataclasses
 
 from jstd.core.config import ModelConfig
 from jstd.models.family import TextFamily, tied
-from jstd.models.gpt2 import GPT2LM
+from jstd.models.gpt2 import GPT2
 from jstd.nn.attention import Attention
 from jstd.nn.block import Block
 from jstd.nn.mlp import MLP
-from jstd.nn.namemap import Entry, linear
-from jstd.nn.norms import LayerNorm
-from jstd.nn.params import shape
 
 GPT_NEO_NAMES = {"attention_norm": "ln_1", "attn": "attn.attention", "mlp_norm": "ln_2", "mlp": "mlp", "out": "out_proj",
                  "fc1": "c_fc", "fc2": "c_proj"}
 KINDS = {"global": "full_attention", "local": "sliding_attention"}
 
 
-class GPTNeo(TextFamily):
+class GPTNeo(GPT2):
+    """GPT-2's declaration (learned positions, LayerNorms, the ``transformer.`` names) with GPT-Neo's blocks."""
+
     family = "gpt_neo"
     model_types = ("gpt_neo",)
-    model_class = GPT2LM
     # attention_layers: what transformers expands attention_types into; the summary_* keys configure a
     # classification head a causal LM does not have
     handled = TextFamily.handled | {
@@ -71,14 +69,6 @@ class GPTNeo(TextFamily):
             intermediate_size=hf.intermediate_size or 4 * hf.hidden_size, layer_types=cls.layer_types(hf))
 
     @classmethod
-    def norm(cls, hf, c: ModelConfig, dtype) -> LayerNorm:
-        return LayerNorm.skeleton(c.hidden_size, hf.layer_norm_epsilon, dtype)
-
-    @classmethod
-    def rotary(cls, hf, c: ModelConfig):
-        return None  # learned absolute positions
-
-    @classmethod
     def block(cls, hf, c: ModelConfig, kind: str, dtype) -> Block:
         window = hf.window_size if kind == cls.SLIDING else None
         attn = Attention.skeleton(c.hidden_size, c.num_heads, c.num_heads, c.head_dim, 1.0, False, True, dtype,
@@ -93,23 +83,8 @@ class GPTNeo(TextFamily):
         )
 
     @classmethod
-    def skeleton(cls, hf, dtype) -> GPT2LM:
-        model = super().skeleton(hf, dtype)
-        return dataclasses.replace(model, position_embed=shape(hf.max_position_embeddings, hf.hidden_size, dtype=dtype))
-
-    @classmethod
     def names(cls, hf, kind: str) -> dict:
         return GPT_NEO_NAMES
-
-    @classmethod
-    def name_map(cls, hf, skeleton=None) -> list[Entry]:
-        skeleton = skeleton if skeleton is not None else cls.skeleton(hf, "float32")
-        return [
-            Entry("transformer.wte.weight", "embed"), Entry("transformer.wpe.weight", "position_embed"),
-            Entry("transformer.ln_f.weight", "final_norm.weight"), Entry("transformer.ln_f.bias", "final_norm.bias"),
-            *([] if skeleton.lm_head is None else [Entry("lm_head.weight", "lm_head", linear)]),
-            *skeleton.layers.name_map("layers", "transformer.h.{i}.", lambda kind: cls.names(hf, kind)),
-        ]
 
     @classmethod
     def ignored(cls, hf) -> tuple[str, ...]:

@@ -31,11 +31,9 @@ from jstd.kernels.rope_init import default_inv_freq
 from jstd.models.family import TextFamily, tied
 from jstd.nn.attention import Attention
 from jstd.nn.block import Block
-from jstd.nn.causal_lm import CausalLM
 from jstd.nn.mlp import MLP
 from jstd.nn.namemap import Entry, linear
 from jstd.nn.norms import LayerNorm
-from jstd.nn.params import shape
 
 GPTJ_NAMES = {"attention_norm": "ln_1", "attn": "attn", "mlp": "mlp", "out": "out_proj", "fc1": "fc_in",
               "fc2": "fc_out"}
@@ -44,6 +42,7 @@ GPTJ_NAMES = {"attention_norm": "ln_1", "attn": "attn", "mlp": "mlp", "out": "ou
 class GPTJ(TextFamily):
     family = "gptj"
     model_types = ("gptj",)
+    head_bias = True
     handled = TextFamily.handled | {"n_embd", "n_layer", "n_head", "n_positions", "n_inner", "rotary_dim",
                                     "activation_function", "layer_norm_epsilon",
                                     # the hub config's flags for what GPT-J always does (rotary, scaled scores), and
@@ -83,11 +82,6 @@ class GPTJ(TextFamily):
             mlp_post_norm=None,
             parallel=True,
         )
-
-    @classmethod
-    def skeleton(cls, hf, dtype) -> CausalLM:
-        model = super().skeleton(hf, dtype)
-        return dataclasses.replace(model, lm_head_bias=shape(hf.vocab_size, dtype=dtype))
 
     @classmethod
     def names(cls, hf, kind: str) -> dict:

@@ -25,11 +25,9 @@ from jstd.core.config import ModelConfig
 from jstd.models.family import TextFamily
 from jstd.nn.attention import Attention
 from jstd.nn.block import Block
-from jstd.nn.causal_lm import CausalLM
 from jstd.nn.mlp import MLP
 from jstd.nn.namemap import Entry, linear, present
 from jstd.nn.norms import LayerNorm
-from jstd.nn.params import shape
 
 PHI_NAMES = {"attention_norm": "input_layernorm", "attn": "self_attn", "mlp": "mlp", "out": "dense"}
 
@@ -47,6 +45,7 @@ class Phi(TextFamily):
     family = "phi"
     model_types = ("phi",)
     # resid_pdrop / embd_pdrop: dropout (training only)
+    head_bias = True
     handled = TextFamily.handled | {"layer_norm_eps", "qk_layernorm", "resid_pdrop", "embd_pdrop"}
 
     @classmethod
@@ -69,11 +68,6 @@ class Phi(TextFamily):
             mlp_post_norm=None,
             parallel=True,
         )
-
-    @classmethod
-    def skeleton(cls, hf, dtype) -> CausalLM:
-        model = super().skeleton(hf, dtype)
-        return dataclasses.replace(model, lm_head_bias=shape(hf.vocab_size, dtype=dtype))
 
     @classmethod
     def names(cls, hf, kind: str) -> dict:
