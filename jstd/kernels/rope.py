@@ -168,7 +168,7 @@ def apply_rotary(
     order, as transformers' ``apply_rotary_pos_emb`` (the partial-rotary
     version when ``rotary_dim < head_dim``); result in ``x.dtype``.
 
-    ``interleaved`` (GPT-J, GPT-NeoX-style ``rotate_every_two``): frequency ``i``
+    ``interleaved`` (GPT-J's ``rotate_every_two``): frequency ``i``
     turns the adjacent dims ``2i, 2i + 1`` instead of ``i, i + rotary_dim / 2``:
     ``x * cos' + rotate_every_two(x) * sin'`` with each of ``Rotary.cos_sin``'s
     frequencies repeated twice in place (torch's ``repeat_interleave``), the same
