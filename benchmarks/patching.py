@@ -35,6 +35,15 @@ per patch (a forward hook on the patched block, added, run, removed; what
 XLA compilations the cold sweep triggers is counted (``jax.monitoring``).
 
     python benchmarks/patching.py --family gpt2 [--repeats 3] [--device cuda]
+
+``--family gptj`` / ``--family tinystories``: the same IOI sweep on GPT-J-6B's shape (28 blocks, 4096 wide, 16
+heads, rotary on 64 of 256 dims, parallel blocks, vocab 50400: 6B float32 parameters, 24 GB in torch and as much
+in jstd: a GPU's memory) or on TinyStories-33M's (GPT-Neo: 4 blocks, 768 wide, 16 heads, global and local
+blocks, unscaled scores): 28 x 15 or 4 x 15 patched runs. ``--layers N`` keeps N blocks of the shape (a smoke
+test: ``--layers 2``).
+
+    python benchmarks/patching.py --family gptj --device cuda [--repeats 3]
+    python benchmarks/patching.py --family tinystories [--repeats 3]
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ if "JSTD_COMPILATION_CACHE" not in os.environ:
     os.environ["JSTD_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="jstd-bench-cache-")
 
 import jstd  # noqa: E402
-from common import checkpoint
+from common import checkpoint, torch_causal_lm
 from forward import SIZE, llama_config
 
 SEQ = 64
@@ -146,8 +155,12 @@ print(json.dumps(dict(added=peak[0] - base)))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# GPT-2 small's shape; the IOI prompt's token roles (ids are arbitrary: the weights are random)
+# GPT-2 small's, GPT-J-6B's and TinyStories-33M's shapes; the IOI prompt's token roles (ids are arbitrary: the
+# weights are random)
 GPT2_SMALL = dict(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024)
+GPTJ_6B = dict(vocab_size=50400, n_embd=4096, n_layer=28, n_head=16, n_positions=2048, rotary_dim=64)
+TINYSTORIES_33M = dict(vocab_size=50257, hidden_size=768, num_layers=4, num_heads=16, max_position_embeddings=2048,
+                       window_size=256, attention_types=[[["global", "local"], 2]])
 IOI_SEQ, IO, S = 15, 1, 2  # positions 2 and 4 hold the names Mary (IO) and John (S); S again at 10
 IOI_NAMES = {2: IO, 4: S, 10: S}
 
@@ -171,7 +184,8 @@ def hooks_sweep(ref, blocks, clean, corrupt, entries, io, s, device="cpu"):
 
     clean_t, corrupt_t = torch.as_tensor(clean, device=device), torch.as_tensor(corrupt, device=device)
     saved = {}
-    handles = [b.register_forward_hook(lambda m, a, o, l=l: saved.__setitem__(l, o.clone())) for l, b in
+    stream = lambda o: o[0] if isinstance(o, tuple) else o  # GPT-Neo's blocks return (stream, attention weights)
+    handles = [b.register_forward_hook(lambda m, a, o, l=l: saved.__setitem__(l, stream(o).clone())) for l, b in
                enumerate(blocks)]
     with torch.no_grad():
         ref(input_ids=clean_t)
@@ -180,9 +194,9 @@ def hooks_sweep(ref, blocks, clean, corrupt, entries, io, s, device="cpu"):
     out = {}
     for layer, pos in entries:
         def patch(module, args, output, layer=layer, pos=pos):
-            output = output.clone()
-            output[:, pos] = saved[layer][:, pos]
-            return output
+            patched = stream(output).clone()
+            patched[:, pos] = saved[layer][:, pos]
+            return (patched, *output[1:]) if isinstance(output, tuple) else patched
         handle = blocks[layer].register_forward_hook(patch)
         try:
             with torch.no_grad():
@@ -193,38 +207,53 @@ def hooks_sweep(ref, blocks, clean, corrupt, entries, io, s, device="cpu"):
     return out
 
 
-def nnsight_gpt2_sweep(ref, clean, corrupt, entries, io, s, device="cpu"):
-    """One nnsight trace per (block, position) entry on GPT-2 (``transformer.h``); returns {entry: metric}."""
+def nnsight_gpt2_sweep(ref, clean, corrupt, entries, io, s, device="cpu", tuple_output=False):
+    """One nnsight trace per (block, position) entry on a GPT-2-style model (``transformer.h``: GPT-2, GPT-J,
+    GPT-Neo; ``tuple_output``: the blocks return (stream, …), GPT-Neo's); returns {entry: metric}."""
     import torch
     from nnsight import NNsight
 
     lm = NNsight(ref)
     clean_t, corrupt_t = torch.as_tensor(clean, device=device), torch.as_tensor(corrupt, device=device)
+    stream = (lambda o: o[0]) if tuple_output else (lambda o: o)
     saved = []
     with torch.no_grad(), lm.trace(input_ids=clean_t):
         for layer in range(len(ref.transformer.h)):
-            saved.append(lm.transformer.h[layer].output.save())
+            saved.append(stream(lm.transformer.h[layer].output).save())
     out = {}
     for layer, pos in entries:
         with torch.no_grad(), lm.trace(input_ids=corrupt_t):
-            lm.transformer.h[layer].output[:, pos] = saved[layer][:, pos]
+            stream(lm.transformer.h[layer].output)[:, pos] = saved[layer][:, pos]
             logits = lm.output.logits.save()
         last = logits[0, -1]
         out[layer, pos] = float(last[io] - last[s])
     return out
 
 
+# --family -> (transformers config class, the published shape, its depth key, the shape's name, blocks return tuples)
+IOI_FAMILIES = {
+    "gpt2": ("GPT2Config", GPT2_SMALL, "n_layer", "GPT-2 small", False),
+    "gptj": ("GPTJConfig", GPTJ_6B, "n_layer", "GPT-J-6B", False),
+    "tinystories": ("GPTNeoConfig", TINYSTORIES_33M, "num_layers", "TinyStories-33M", True),
+}
+
+
 def main_gpt2(args):
-    """The IOI sweep on GPT-2 small's shape: jstd's one ``patch_sweep`` against nnsight and run_with_hooks."""
+    """The IOI sweep on a GPT-2-style model's shape (``--family`` gpt2, gptj, tinystories): jstd's one
+    ``patch_sweep`` against nnsight and run_with_hooks."""
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config
+    import transformers
     from gpt2_neox_cases import make_checkpoint
 
-    folder = Path(tempfile.gettempdir()) / "jstd-bench" / "gpt2-small-random"
+    config_class, shape, depth_key, shape_name, tuple_output = IOI_FAMILIES[args.family]
+    shape = {**shape, **({depth_key: args.layers} if args.layers else {})}
+    depth = shape[depth_key]
+    if "attention_types" in shape:  # GPT-Neo: global and local blocks alternate over however many there are
+        shape["attention_types"] = [[["global", "local"], depth // 2]] + ([[["global"], 1]] if depth % 2 else [])
+    folder = Path(tempfile.gettempdir()) / "jstd-bench" / f"{args.family}-{depth}-random"
     if not (folder / "config.json").exists():
-        make_checkpoint(GPT2Config(**GPT2_SMALL), folder, seed=0)
-    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
-    ref = ref.to(args.device)
+        make_checkpoint(getattr(transformers, config_class)(**shape), folder, seed=0)
+    ref = torch_causal_lm(folder).to(args.device)  # sdpa, or eager where the family refuses it (GPT-Neo)
     model = jstd.load(folder)
     clean, corrupt = ioi_prompts()
     if args.device == "cpu":  # torch gets its faster thread setting on this machine (1 or all)
@@ -263,7 +292,7 @@ def main_gpt2(args):
     t_jstd, recompiled = float(np.median(warm)), len(compiles) - n_compiles
     say(f"jstd warm {t_jstd:.2f} s")
 
-    every = [(l, p) for l in range(GPT2_SMALL["n_layer"]) for p in range(IOI_SEQ)]
+    every = [(l, p) for l in range(depth) for p in range(IOI_SEQ)]
     n = min(args.torch_entries, len(every))  # torch's loops on evenly spread entries, their time scaled to all
     entries = [every[i] for i in np.linspace(0, len(every) - 1, n).round().astype(int)]
     blocks = list(ref.transformer.h)
@@ -273,18 +302,18 @@ def main_gpt2(args):
     t_hooks = (time.perf_counter() - t) * len(every) / n
     say(f"hooks {t_hooks:.1f} s (scaled from {n} entries)")
     t = time.perf_counter()
-    traced = nnsight_gpt2_sweep(ref, clean, corrupt, entries, io_id, s_id, args.device)
+    traced = nnsight_gpt2_sweep(ref, clean, corrupt, entries, io_id, s_id, args.device, tuple_output)
     t_nnsight = (time.perf_counter() - t) * len(every) / n
     say(f"nnsight {t_nnsight:.1f} s (scaled from {n} entries)")
     diff = max(max(abs(hooked[e] - grid[e]) for e in entries), max(abs(traced[e] - grid[e]) for e in entries))
 
     import nnsight
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} ({args.device}, "
-          f"{torch.get_num_threads()} threads), nnsight {nnsight.__version__}, {os.cpu_count()} cores; torch's loops "
+          f"{torch.get_num_threads()} threads, {ref.config._attn_implementation} attention), nnsight {nnsight.__version__}, {os.cpu_count()} cores; torch's loops "
           f"timed on {n} of the {len(every)} entries, scaled to all")
     print("| figure | ratio | detail |\n| --- | --- | --- |")
-    print(f"| IOI residual sweep on GPT-2 small's shape, 12 blocks x 15 positions: nnsight loop / jstd.patch_sweep "
-          f"(warm) | {t_nnsight / t_jstd:.1f}x | jstd {t_jstd:.2f} s, nnsight {t_nnsight:.1f} s |")
+    print(f"| IOI residual sweep on {shape_name}'s shape, {depth} blocks x {IOI_SEQ} positions: nnsight loop / "
+          f"jstd.patch_sweep (warm) | {t_nnsight / t_jstd:.1f}x | jstd {t_jstd:.2f} s, nnsight {t_nnsight:.1f} s |")
     print(f"| the same: run_with_hooks per patch / jstd.patch_sweep (warm) | {t_hooks / t_jstd:.1f}x "
           f"| hooks {t_hooks:.1f} s |")
     print(f"| the same, jstd including its compiles | {t_nnsight / cold:.1f}x (nnsight), {t_hooks / cold:.1f}x "
@@ -295,8 +324,11 @@ def main_gpt2(args):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--family", default="llama", choices=("llama", "gpt2"),
-                        help="llama: the 8x512 Llama sweep; gpt2: the IOI sweep on GPT-2 small's shape")
+    parser.add_argument("--family", default="llama", choices=("llama", *IOI_FAMILIES),
+                        help="llama: the 8x512 Llama sweep; gpt2, gptj, tinystories: the IOI sweep on GPT-2 small's, "
+                             "GPT-J-6B's or TinyStories-33M's shape")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="gpt2/gptj/tinystories: blocks of the shape to keep (default: all; a smoke test: 2)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--torch-entries", type=int, default=180,
                         help="gpt2: entries timed with nnsight and with hooks (all: 180), their times scaled to 180")
@@ -306,7 +338,7 @@ def main():
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory rows (CPU only)")
     args = parser.parse_args()
     jax.config.update("jax_default_matmul_precision", "highest")  # float32 matmuls as torch does them (GPU: no TF32)
-    if args.family == "gpt2":
+    if args.family in IOI_FAMILIES:
         return main_gpt2(args)
 
     import nnsight
@@ -366,7 +398,7 @@ def main():
 
     some = f"{len(entries)} of 512 entries run with nnsight, its time scaled to 512" if len(entries) < 512 else "all 512 entries run with nnsight"
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} ({args.device}, "
-          f"{torch.get_num_threads()} threads), nnsight {nnsight.__version__}, {os.cpu_count()} cores; {some}")
+          f"{torch.get_num_threads()} threads, {ref.config._attn_implementation} attention), nnsight {nnsight.__version__}, {os.cpu_count()} cores; {some}")
     print("| figure | ratio | detail |\n| --- | --- | --- |")
     print(f"| residual patching sweep, 8 blocks x 64 positions: nnsight loop / jstd.patch_sweep (warm) "
           f"| {t_nnsight / t_jstd:.1f}x | jstd {t_jstd:.2f} s, nnsight {t_nnsight:.1f} s |")

@@ -7,6 +7,11 @@ from jstd.core.sites import SITES, Site
 from jstd.models.family import TextFamily
 from jstd.models.gemma import Gemma
 from jstd.models.gpt2 import GPT2
+from jstd.models.gpt_neo import GPTNeo
+from jstd.models.gptj import GPTJ
+from jstd.models.phi import Phi
+from jstd.models.opt import OPT
+from jstd.models.bloom import Bloom
 from jstd.models.gpt_neox import GPTNeoX
 from jstd.models.hyperclovax import HyperCLOVAX
 from jstd.models.llama import Llama
@@ -42,7 +47,7 @@ from jstd.vision.wrapper import WrapperFamily
 from jstd.vision.qwen3_vl_moe import Qwen3_5MoeVL, Qwen3VLMoe
 
 FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwen3_5Text, Gemma, Olmo2, Qwen3, Phi3, SmolLM3,
-                           GPT2, GPTNeoX,
+                           GPT2, GPTNeoX, GPTNeo, GPTJ, Phi, OPT, Bloom,
                            Mistral, Qwen2, Gemma2, Gemma3Text, Olmo3,
                            CLIPVision, SiglipVision, Llava,
                            VipLlava, DeepseekVL, LlavaNext, Idefics3, SmolVLM, QwenVisionTower, Qwen2VL,

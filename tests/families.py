@@ -17,6 +17,7 @@ from transformers import (CLIPVisionConfig, DeepseekVLConfig, HyperCLOVAXConfig,
                           VipLlavaConfig)
 from transformers import LlavaNextConfig
 
+import classic_cases
 import gpt2_neox_cases
 import gpt_oss_cases
 import llama_cases
@@ -240,6 +241,17 @@ CASES: dict[str, Spec] = {
                          reference=gpt2_neox_cases.GPT2Reference) for c in gpt2_neox_cases.GPT2_CASES},
     **{f"gpt_neox-{c}": Spec(lambda c=c: gpt2_neox_cases.neox_config(c), make=gpt2_neox_cases.make_checkpoint, seed=7,
                              reference=gpt2_neox_cases.neox_reference) for c in gpt2_neox_cases.NEOX_CASES},
+    # the classic families (tests/classic_cases.py): GPT-Neo (unscaled scores, local blocks), GPT-J, Phi, OPT, BLOOM
+    **{f"gpt_neo-{c}": Spec(lambda c=c: classic_cases.gpt_neo_config(c), make=classic_cases.make_checkpoint, seed=7,
+                            reference=classic_cases.GPTNeoReference) for c in classic_cases.GPT_NEO_CASES},
+    **{f"gptj-{c}": Spec(lambda c=c: classic_cases.gptj_config(c), make=classic_cases.make_checkpoint, seed=7,
+                         reference=classic_cases.gptj_reference) for c in classic_cases.GPTJ_CASES},
+    **{f"phi-{c}": Spec(lambda c=c: classic_cases.phi_config(c), make=classic_cases.make_checkpoint, seed=7,
+                        reference=classic_cases.phi_reference) for c in classic_cases.PHI_CASES},
+    **{f"opt-{c}": Spec(lambda c=c: classic_cases.opt_config(c), make=classic_cases.make_checkpoint, seed=7,
+                        reference=classic_cases.OPTReference) for c in classic_cases.OPT_CASES},
+    **{f"bloom-{c}": Spec(lambda c=c: classic_cases.bloom_config(c), make=classic_cases.make_checkpoint, seed=7,
+                          reference=classic_cases.BloomReference) for c in classic_cases.BLOOM_CASES},
     "clip": Spec(lambda: CLIPVisionConfig(**TOWER, hidden_act="quick_gelu"), make=make_tower_checkpoint,
                  reference=TowerReference, tower=True),
     "siglip": Spec(lambda: SiglipVisionConfig(**TOWER), make=make_tower_checkpoint, reference=TowerReference,
@@ -318,7 +330,7 @@ CASES.update({"-".join(filter(None, ("gpt_oss", c))): Spec(lambda c=c: gpt_oss_c
               for c in gpt_oss_cases.CASES})
 MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "qwen3_5_text-released", "clip", "siglip",
         "llava", "idefics3", "qwen2_5_vl", "gemma-2b",
-        "gpt2-small", "gpt_neox-parallel", "qwen3_moe")
+        "gpt2-small", "gpt_neox-parallel", "qwen3_moe", "gpt_neo-tinystories", "gptj-6b", "phi-2", "opt-125m", "bloom-560m")
 TEXT_MAIN = tuple(c for c in MAIN if not CASES[c].tower and not CASES[c].wrapper)
 # the first case of each family and tower ("llama-mha", …, "llava"; a case's family is its name before "-")
 _FIRST: dict[str, str] = {}

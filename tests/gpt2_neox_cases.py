@@ -81,12 +81,12 @@ NEOX_SEQUENTIAL_PLAN = {**NEOX_PLAN, "layers.layer_mid": ("gpt_neox.layers.{i}.p
 
 
 class GPT2Reference(TorchReference):
-    """GPT-2's torch reference: ``wpe`` runs on ``[1, seq]`` position ids, so ``position_embeddings`` is its output
-    broadcast over the batch (and an edit there hands the model the batch-shaped value, which the add broadcasts
-    the same way)."""
+    """GPT-2's torch reference (GPT-Neo's too, with its ``plan``): ``wpe`` runs on ``[1, seq]`` position ids, so
+    ``position_embeddings`` is its output broadcast over the batch (and an edit there hands the model the
+    batch-shaped value, which the add broadcasts the same way)."""
 
-    def __init__(self, folder, dtype=torch.float32):
-        super().__init__(folder, dtype, GPT2_PLAN)
+    def __init__(self, folder, dtype=torch.float32, plan=GPT2_PLAN):
+        super().__init__(folder, dtype, plan)
         self._batch = 1
 
     def run(self, tokens, reads=(), edits=(), attention_mask=None):

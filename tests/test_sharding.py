@@ -29,6 +29,7 @@ LAYOUTS = {
     "qwen3-0.6b": ("FSDP_TP",),  # per-head q/k norms: weights on the head_dim axis
     "gpt_neox-parallel": ("FSDP_TP",),  # parallel residual blocks, LayerNorm biases, the fused q|k|v split
     "gpt2-small": ("FSDP_TP",),  # learned positions (their own logical axis, not split)
+    "bloom-560m": ("FSDP_TP",),  # ALiBi: each head's slope with its head over the model axis
     "gemma2-softcap": ("FSDP_TP",),  # sliding / full blocks alternating, soft-capped scores and logits, post-norms
     "llava": ("FSDP_TP",),
     "gemma3": ("FSDP_TP",),  # the pooling projector, bidirectional image blocks in a sharded batch

@@ -132,7 +132,7 @@ SITES: dict[str, Site] = {
     for s in [
         # the text model
         _site("token_embeddings", RESIDUAL, "The embedding lookup of the tokens; on most families what enters block 0 (a family that scales embeddings says so)."),
-        _site("position_embeddings", RESIDUAL, "The learned absolute position embeddings of the tokens' positions (GPT-2), added to token_embeddings: token_embeddings + position_embeddings is what enters block 0. With left padding a token's position counts the real tokens before it."),
+        _site("position_embeddings", RESIDUAL, "The learned absolute position embeddings of the tokens' positions (GPT-2, GPT-Neo; OPT's row position + 2), added to token_embeddings: token_embeddings + position_embeddings is what enters block 0 (OPT: after project_in). With left padding a token's position counts the real tokens before it."),
         _site("final_norm_output", RESIDUAL, "The residual stream after the final norm, what the head reads."),
         _site("lm_head_output", ("batch", "seq", "vocab"), "The head's logits, before anything the family does past the head (a scale, a softcap)."),
         _site("logits", ("batch", "seq", "vocab"), "The logits the model returns, after anything it does past the head."),

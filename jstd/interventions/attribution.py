@@ -63,7 +63,8 @@ class LogitAttribution(eqx.Module):
     logit: the model's own logit (difference) at the position; with a final
         soft-cap (Gemma 2), the logit *before* the cap: what the parts decompose.
     final_norm_bias: a final LayerNorm's bias through the head (GPT-2, GPT-NeoX: the norm centres each part and
-        adds its bias once, a term of no part); None after an RMSNorm.
+        adds its bias once, a term of no part), and the head's own bias where it has one (GPT-J, Phi); None after
+        an RMSNorm.
     """
 
     embeddings: Float[Array, "batch"]
@@ -222,12 +223,15 @@ def _dla(model, out, target, other, position, heads, capped=False, experts=False
     batch = x.shape[0]
 
     # the readout direction: the gradient of the (linear) head's logit difference, one per row
-    def readout(normed):
+    def readout_rows(normed):
         logits = logits_from_norm(normed.astype(out.logits.dtype)).astype(jnp.float32)
         pick = lambda ids: jnp.take_along_axis(logits, jnp.broadcast_to(ids, (batch,))[:, None], -1)[:, 0]
-        return jnp.sum(pick(target) - (0.0 if other is None else pick(other)))
+        return pick(target) - (0.0 if other is None else pick(other))
+
+    readout = lambda normed: jnp.sum(readout_rows(normed))
 
     gradient = jax.grad(readout)(jnp.zeros_like(x))  # [batch, hidden]
+    head_bias = readout_rows(jnp.zeros_like(x)) if getattr(model.decoder, "lm_head_bias", None) is not None else 0.0
     direction = gradient * weight * scale
     if layer_norm:  # centring is linear and symmetric: <c - mean(c), d> = <c, d - mean(d)>
         direction = direction - jnp.mean(direction, -1, keepdims=True)
@@ -257,7 +261,9 @@ def _dla(model, out, target, other, position, heads, capped=False, experts=False
         mlp=dot(at("layers.mlp.mlp_output")),
         heads=per_head,
         logit=logit,
-        final_norm_bias=jnp.sum(gradient * final_norm.bias.astype(jnp.float32), -1) if layer_norm else None,
+        # a head's own bias (GPT-J, Phi) is what the readout gives a zero input: the identity elsewhere
+        final_norm_bias=(jnp.sum(gradient * final_norm.bias.astype(jnp.float32), -1) + head_bias) if layer_norm
+        else None,
         exact=not capped,
         experts=per_expert,
         shared_expert=shared,

@@ -16,6 +16,8 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "quick_gelu": lambda x: x * jax.nn.sigmoid(jnp.asarray(1.702, x.dtype) * x),
     "relu": jax.nn.relu,
+    # BLOOM's BloomGelu: the tanh approximation with its own rounded constants, in torch's order of operations
+    "bloom_gelu": lambda x: x * 0.5 * (1.0 + jnp.tanh(0.79788456 * x * (1 + 0.044715 * x * x))),
 }
 
 

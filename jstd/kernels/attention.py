@@ -11,7 +11,8 @@ attends keys at indices ``i - window + 1 .. i`` (transformers' sliding-window
 mask and sliding cache). Bidirectional blocks (``block_mask``: Gemma 3's images) are runs of
 positions that attend to each other whatever their order: OR-ed into the causal mask before a window narrows it.
 Soft-capped scores (``softcap``: Gemma 2) are
-``tanh(s / cap) · cap`` of the scaled scores, before the mask.
+``tanh(s / cap) · cap`` of the scaled scores, before the mask. ALiBi (``alibi_bias``: BLOOM) adds
+``slope_h · position(key)`` to the scores, before the mask.
 
 Attention sinks (``sinks``: gpt-oss) are one learned logit per head that joins every row's softmax as one more
 column (``sink_probabilities``): the sink takes probability mass but adds no value, so a row's probabilities over
@@ -72,17 +73,48 @@ def block_mask(query_block: Int[Array, "batch q"], key_block: Int[Array, "batch 
     return ((q == key_block[:, None, :]) & (q >= 0))[:, None]
 
 
+def alibi_slopes(heads: int) -> tuple[float, ...]:
+    """ALiBi's slope per head (Press et al.; BLOOM's ``_get_alibi_slopes``), as float32 values: ``2^(-8i/n)`` for
+    the ``n`` = largest power of two <= ``heads``, then the odd powers of the next base for the remaining heads."""
+    import math
+
+    import numpy as np
+
+    def powers(n, count, step):
+        base = np.float32(2 ** (-(2 ** -(math.log2(n) - 3))))
+        return [float(np.float32(base ** np.float32(p))) for p in range(1, 1 + step * count, step)]
+
+    closest = 2 ** math.floor(math.log2(heads))
+    slopes = powers(closest, closest, 1)
+    if closest != heads:
+        slopes += powers(2 * closest, min(closest, heads - closest), 2)
+    return tuple(slopes)
+
+
+def alibi_bias(slopes: tuple[float, ...], mask: Bool[Array, "batch 1 q k"], dtype) -> Float[Array, "batch heads q k"]:
+    """ALiBi's term of the scores: ``slope_h · position(key)``, a key's position being the count of real keys
+    before it that the query sees (``cumsum(mask) - 1`` along the keys: on a plain run the key's position, padding
+    not counted; on a ``Context`` the cached run's). That is BLOOM's form: the bias ``-slope · (query - key)`` of
+    the paper plus ``slope · query``, a per-query constant the softmax ignores. float32 products cast to ``dtype``
+    (torch's ``build_alibi_tensor``)."""
+    position = (jnp.cumsum(mask, axis=-1) - 1).astype(jnp.float32)  # [batch, 1, q, k]
+    return (jnp.asarray(slopes, jnp.float32)[None, :, None, None] * position).astype(dtype)
+
+
 def scores(
     q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], scale: float,
-    mask: Bool[Array, "batch 1 q k"] | None, softcap: float | None = None,
+    mask: Bool[Array, "batch 1 q k"] | None, softcap: float | None = None, alibi: tuple[float, ...] | None = None,
 ) -> Float[Array, "batch heads q k"]:
-    """scale · q·kᵀ (soft-capped by ``softcap``: ``tanh(s / cap) · cap``), masked entries set to the dtype's
-    minimum (as transformers' eager attention); ``mask`` None attends everywhere (a vision tower)."""
+    """scale · q·kᵀ (soft-capped by ``softcap``: ``tanh(s / cap) · cap``; plus ``alibi_bias(alibi, mask)`` with
+    ALiBi slopes), masked entries set to the dtype's minimum (as transformers' eager attention); ``mask`` None
+    attends everywhere (a vision tower)."""
     b, h, t, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, h // kv, t, d)
     s = jnp.einsum("bkgqd,bksd->bkgqs", qg, k).reshape(b, h, t, k.shape[2]) * jnp.asarray(scale, q.dtype)
     s = capped(s, softcap)
+    if alibi is not None:
+        s = s + alibi_bias(alibi, mask, s.dtype)
     return s if mask is None else jnp.where(mask, s, jnp.finfo(s.dtype).min)
 
 
@@ -115,13 +147,17 @@ def mix(p: Float[Array, "batch heads q k"], v: Float[Array, "batch kv_heads k di
 def fused(
     q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], v: Float[Array, "batch kv_heads k dim"],
     scale: float, mask: Bool[Array, "batch 1 q k"] | None, softcap: float | None = None,
-    sinks: Float[Array, "heads"] | None = None,
+    sinks: Float[Array, "heads"] | None = None, alibi: tuple[float, ...] | None = None, float32_scores: bool = False,
 ) -> Float[Array, "batch q heads dim"]:
-    """The same function through ``jax.nn.dot_product_attention`` (cuDNN/flash where available); with a
-    ``softcap`` or ``sinks`` (which that kernel has no place for) the explicit computation, unmaterialized."""
+    """The same function through ``jax.nn.dot_product_attention`` (cuDNN/flash where available; ALiBi as its
+    ``bias``); with a ``softcap``, ``sinks`` or ``float32_scores`` (which that kernel has no place for) the explicit
+    computation, unmaterialized. ``float32_scores``: queries and keys cast to float32 before the product and the
+    probabilities cast to the values' dtype after the softmax (GPT-Neo's and GPT-J's attention)."""
     if sinks is not None:
-        return mix(sink_probabilities(scores(q, k, scale, mask, softcap), sinks)[0], v)
-    if softcap is not None:
-        return mix(probabilities(scores(q, k, scale, mask, softcap)), v)
+        return mix(sink_probabilities(scores(q, k, scale, mask, softcap, alibi), sinks)[0], v)
+    if softcap is not None or float32_scores:
+        up = (lambda x: x.astype(jnp.float32)) if float32_scores else (lambda x: x)
+        return mix(probabilities(scores(up(q), up(k), scale, mask, softcap, alibi)).astype(v.dtype), v)
     t = lambda x: jnp.swapaxes(x, 1, 2)
-    return jax.nn.dot_product_attention(t(q), t(k), t(v), mask=mask, scale=scale)
+    bias = None if alibi is None else alibi_bias(alibi, mask, q.dtype)
+    return jax.nn.dot_product_attention(t(q), t(k), t(v), bias=bias, mask=mask, scale=scale)

@@ -149,10 +149,17 @@ def rotate_half(x: Float[Array, "... d"]) -> Float[Array, "... d"]:
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+def rotate_every_two(x: Float[Array, "... d"]) -> Float[Array, "... d"]:
+    """``(-x1, x0, -x3, x2, …)``: the rotary pairing of adjacent dims (GPT-J's ``rotate_every_two``)."""
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    return jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+
+
 def apply_rotary(
     x: Float[Array, "batch heads seq head_dim"],
     cos: Float[Array, "batch seq rotary_dim"],
     sin: Float[Array, "batch seq rotary_dim"],
+    interleaved: bool = False,
 ) -> Float[Array, "batch heads seq head_dim"]:
     """``x * cos + rotate_half(x) * sin`` on the first ``rotary_dim`` dims of each head.
 
@@ -160,12 +167,20 @@ def apply_rotary(
     ``rotary_dim`` on pass through unchanged. Same operations, in the same
     order, as transformers' ``apply_rotary_pos_emb`` (the partial-rotary
     version when ``rotary_dim < head_dim``); result in ``x.dtype``.
+
+    ``interleaved`` (GPT-J's ``rotate_every_two``): frequency ``i``
+    turns the adjacent dims ``2i, 2i + 1`` instead of ``i, i + rotary_dim / 2``:
+    ``x * cos' + rotate_every_two(x) * sin'`` with each of ``Rotary.cos_sin``'s
+    frequencies repeated twice in place (torch's ``repeat_interleave``), the same
+    values GPT-J's sinusoid table holds.
     """
     rotary_dim = cos.shape[-1]
+    if interleaved:  # cos_sin's layout is cat(f, f): each frequency once from the first half, repeated in place
+        cos, sin = (jnp.repeat(c[..., :rotary_dim // 2], 2, axis=-1) for c in (cos, sin))
     cos = cos[:, None]
     sin = sin[:, None]
     x_rot = x[..., :rotary_dim]
-    out = x_rot * cos + rotate_half(x_rot) * sin
+    out = x_rot * cos + (rotate_every_two if interleaved else rotate_half)(x_rot) * sin
     if rotary_dim < x.shape[-1]:
         out = jnp.concatenate([out.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
     return out.astype(x.dtype)

@@ -11,6 +11,11 @@ import types
 
 from jstd.models.gemma import Gemma
 from jstd.models.gpt2 import GPT2
+from jstd.models.gpt_neo import GPTNeo
+from jstd.models.gptj import GPTJ
+from jstd.models.phi import Phi
+from jstd.models.opt import OPT
+from jstd.models.bloom import Bloom
 from jstd.models.gpt_neox import GPTNeoX
 from jstd.models.gpt_oss import GptOss
 from jstd.models.hyperclovax import HyperCLOVAX
@@ -36,7 +41,7 @@ from jstd.models.qwen3_moe import Qwen3Moe, Qwen3VLMoeText
 from jstd.models.smollm3 import SmolLM3
 
 TEXT_FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwen3_5Text, Qwen3VLText,
-                                     Gemma, Olmo2, Qwen3, Phi3, SmolLM3, GPT2, GPTNeoX,
+                                     Gemma, Olmo2, Qwen3, Phi3, SmolLM3, GPT2, GPTNeoX, GPTNeo, GPTJ, Phi, OPT, Bloom,
                                      Mistral, Qwen2, Gemma2, Gemma3Text, Olmo3,
                                      Qwen3Moe, Qwen3VLMoeText, Olmoe, Mixtral, Qwen3_5MoeText, GptOss, Qwen2Moe,
                                      Phimoe)

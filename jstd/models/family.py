@@ -64,6 +64,7 @@ class TextFamily(Family):
     ``layer_types``, ``rotary``, ``extra``, ``norm``, ``ignored``; ``model_class``: a ``CausalLM`` subclass)."""
 
     model_class: ClassVar[type] = CausalLM
+    head_bias: ClassVar[bool] = False  # the head has a bias (GPT-J, Phi: CausalLM.lm_head_bias)
     SLIDING = "sliding_attention"  # the block kind whose attention has config.sliding_window
 
     handled = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -140,6 +141,7 @@ class TextFamily(Family):
             final_norm=cls.norm(hf, c, dtype),
             lm_head=None if tied(hf) else shape(c.hidden_size, c.vocab_size, dtype=dtype),
             rotary=cls.rotary(hf, c),
+            **({"lm_head_bias": shape(c.vocab_size, dtype=dtype)} if cls.head_bias else {}),
             **cls.extra(hf),
         )
 

@@ -27,6 +27,7 @@ import dataclasses
 import equinox as eqx
 from jaxtyping import Array, Float
 
+from jstd.core.checks import checked
 from jstd.core.config import ModelConfig
 from jstd.nn.attention import Attention
 from jstd.nn.params import shape
@@ -71,12 +72,19 @@ class Conv1DMLP(MLP):
 
 class GPT2LM(CausalLM):
     """A ``CausalLM`` with learned absolute positions: ``position_embed`` ``[max positions, embed]``; block 0 reads
-    ``token_embeddings + position_embeddings``."""
+    ``token_embeddings + position_embeddings``. Position ``p`` reads row ``p + position_offset`` (OPT's 2). A position
+    past the table fails the call (checked before the gather, also traced: a continued run or a decoding step) and
+    is never clamped."""
 
     position_embed: Float[Array, "positions embed"] = eqx.field(default=None, metadata={"axes": ("positions", "embed")})
+    position_offset: int = eqx.field(static=True, default=0)
 
     def enter_positions(self, h, positions, s):
-        return h + s("position_embeddings", self.position_embed[positions].astype(h.dtype))
+        most = self.position_embed.shape[0] - self.position_offset
+        positions = checked(positions, lambda xp, p: p >= most,
+                            f"a position is past this {self.family} model's {most} learned positions; run at most "
+                            f"{most} positions a row (prompt and generated tokens together)")
+        return h + s("position_embeddings", self.position_embed[positions + self.position_offset].astype(h.dtype))
 
     @property
     def sites(self) -> frozenset[str]:
@@ -84,14 +92,14 @@ class GPT2LM(CausalLM):
 
     @property
     def position_limit(self) -> int:
-        return self.position_embed.shape[0]
+        return self.position_embed.shape[0] - self.position_offset
 
     def check_inputs(self, inputs) -> None:
         super().check_inputs(inputs)
         seq, most = inputs.tokens.shape[-1], self.position_limit
         if seq > most:
             raise ValueError(f"{seq} tokens are more than this {self.family} model's {most} learned positions "
-                             f"(n_positions); pass at most {most} tokens a row")
+                             f"(n_positions / max_position_embeddings); pass at most {most} tokens a row")
 
 
 class GPT2(TextFamily):
@@ -146,7 +154,8 @@ class GPT2(TextFamily):
     @classmethod
     def skeleton(cls, hf, dtype) -> GPT2LM:
         model = super().skeleton(hf, dtype)
-        return dataclasses.replace(model, position_embed=shape(hf.n_positions, hf.hidden_size, dtype=dtype))
+        return dataclasses.replace(model, position_embed=shape(hf.max_position_embeddings, hf.hidden_size,
+                                                               dtype=dtype))  # GPT-2's n_positions
 
     @classmethod
     def names(cls, hf, kind: str) -> dict:

@@ -67,6 +67,21 @@ class Attention(eqx.Module):
     ``frozen_pattern`` (static; ``jstd.nn.frozen``): the probabilities (as
     edited) are held constant for gradients, so a derivative sees attention as
     a fixed mixing of the values; it takes the explicit path.
+
+    Position and score options (static; off by default):
+
+    * ``rotary_interleaved`` (GPT-J): the rotary turns adjacent dims ``2i, 2i + 1``
+      (``rotate_every_two``) instead of the halves (``kernels.rope.apply_rotary``).
+    * ``float32_scores`` (GPT-Neo, GPT-J): queries and keys are cast to float32
+      before ``q·kᵀ``; ``attention_scores`` is float32 whatever the model's
+      dtype, and the probabilities are cast to the values' dtype after the
+      softmax. The identity on a float32 model. (GPT-Neo's unscaled scores are
+      ``scale`` 1.)
+    * ``alibi`` (BLOOM): ALiBi slopes, one a head (``kernels.attention.alibi_slopes``).
+      ``attention_scores`` then holds ``scale · q·kᵀ + slope_h · position(key)``
+      (torch's form, ``kernels.attention.alibi_bias``): per query it differs from
+      the paper's ``-slope_h · (query - key)`` by a constant the softmax ignores,
+      so the distance bias a head adds is ``scores - scale · q·kᵀ``.
     """
 
     q: Float[Array, "embed heads head_dim"] = param("embed", "heads", "head_dim")
@@ -84,6 +99,9 @@ class Attention(eqx.Module):
     softcap: float | None = eqx.field(static=True, default=None)
     sinks: Float[Array, "heads"] | None = param("heads", default=None)
     frozen_pattern: bool = eqx.field(static=True, default=False)
+    rotary_interleaved: bool = eqx.field(static=True, default=False)
+    float32_scores: bool = eqx.field(static=True, default=False)
+    alibi: tuple[float, ...] | None = eqx.field(static=True, default=None)
 
     host: ClassVar[str] = "self_attn"
     SITES: ClassVar[tuple[str, ...]] = (
@@ -125,7 +143,7 @@ class Attention(eqx.Module):
         k = self.project(x, self.k, self.k_bias, self.k_norm)
         v = self.project(x, self.v, self.v_bias)
         if cos_sin is not None:
-            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+            q, k = (apply_rotary(x, *cos_sin, interleaved=self.rotary_interleaved) for x in (q, k))
         q = s("self_attn.attention_queries", q)
         k = s("self_attn.attention_keys", k)
         v = s("self_attn.attention_values", v)
@@ -136,12 +154,15 @@ class Attention(eqx.Module):
             s("self_attn.attention_sinks", self.sinks)
             interior += ("self_attn.sink_probability",)
         if self.frozen_pattern or s.touches(*interior):
-            scores = s("self_attn.attention_scores", attn_kernels.scores(q, k, self.scale, mask, self.softcap))
+            up = (lambda x: x.astype(jnp.float32)) if self.float32_scores else (lambda x: x)
+            scores = s("self_attn.attention_scores",
+                       attn_kernels.scores(up(q), up(k), self.scale, mask, self.softcap, self.alibi))
             probs = attn_kernels.probabilities(scores) if self.sinks is None else self.sunk(scores, s)
-            probs = s("self_attn.attention_probabilities", probs)
+            probs = s("self_attn.attention_probabilities", probs.astype(v.dtype))
             heads = attn_kernels.mix(jax.lax.stop_gradient(probs) if self.frozen_pattern else probs, v)
         else:
-            heads = attn_kernels.fused(q, k, v, self.scale, mask, self.softcap, self.sinks)
+            heads = attn_kernels.fused(q, k, v, self.scale, mask, self.softcap, self.sinks, self.alibi,
+                                       self.float32_scores)
         heads = s("self_attn.attention_head_outputs", heads)
         heads = s("self_attn.attention_premix", self.gated(heads, x))
         return add_bias(flat_product(heads, self.o, 2), self.o_bias)

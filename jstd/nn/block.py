@@ -58,7 +58,21 @@ class Block(eqx.Module):
     of ``layer_input``, and ``out = (mlp_output + attention_output) + x`` (torch's
     order); there is no stream between the two adds, so no ``layer_mid``
     (``unavailable`` says why) and an edit at ``attention_output`` does not reach
-    the block's own MLP.
+    the block's own MLP. A parallel block without an MLP norm (GPT-J, Phi: one
+    LayerNorm for both) gives the MLP the attention norm's output
+    (``mlp_input`` is ``attention_norm_output``, and an edit at
+    ``attention_norm_output`` reaches both sublayers).
+
+    ``norm_after_add`` (OPT-350M's ``do_layer_norm_before=False``: the original
+    transformer's post-norm): the post-norms norm the *sums*, not the sublayers'
+    outputs, and there are no pre-norms::
+
+        mid = attention_post_norm(x + attn(x))              # layer_mid: the stream the MLP reads
+        out = mlp_post_norm(mid + mlp(mid))                 # layer_output
+
+    ``attention_output`` / ``mlp_output`` are the sublayers' outputs, what each
+    adds before its norm, so ``layer_input + attention_output`` is the norm's
+    input, not ``layer_mid``: the stream is not a sum of contributions here.
     """
 
     attention_norm: RMSNorm | LayerNorm | None
@@ -70,6 +84,7 @@ class Block(eqx.Module):
     residual_multiplier: float = eqx.field(static=True, default=1.0)
     raw_outputs: bool = eqx.field(static=True, default=False)
     parallel: bool = eqx.field(static=True, default=False)
+    norm_after_add: bool = eqx.field(static=True, default=False)
 
     def has(self, host: str) -> bool:
         """Whether the block has ``host`` (``self_attn``, ``linear_attn``, ``mlp``; ``""``: the block itself)."""
@@ -98,6 +113,8 @@ class Block(eqx.Module):
         """What the block adds from a sublayer's own output ``y``: post-norm, multiplier, rounded."""
         if self.raw_outputs:
             y = s(RAW_OUTPUT[host], y)
+        if self.norm_after_add:
+            norm = None  # the post-norm norms the sum (__call__)
         if norm is None and self.residual_multiplier == 1.0:
             return y  # Llama's block: the sublayer's output is what the block adds
         if norm is not None:
@@ -116,10 +133,16 @@ class Block(eqx.Module):
                                                                   self.attention_norm(x, s, "attention_norm_normalized"))
         a = self.attn(normed, args, s, past)
         a = s(f"{host}.attention_output", self.contribution(host, a, self.attention_post_norm, s))
-        mid = x if self.parallel else s("layer_mid", x + a)  # parallel: the MLP reads the block input too
-        m_in = mid if self.mlp_norm is None else s("mlp_norm_output", self.mlp_norm(mid, s, "mlp_norm_normalized"))
+        after = self.attention_post_norm if self.norm_after_add else (lambda y: y)
+        mid = x if self.parallel else s("layer_mid", after(x + a))  # parallel: the MLP reads the block input too
+        if self.parallel and self.mlp_norm is None:  # one norm for both sublayers (GPT-J, Phi)
+            m_in = normed
+        else:
+            m_in = mid if self.mlp_norm is None else s("mlp_norm_output", self.mlp_norm(mid, s, "mlp_norm_normalized"))
         m_in = s("mlp_input", m_in)
         m = s("mlp.mlp_output", self.contribution("mlp", self.mlp(m_in, s), self.mlp_post_norm, s))
+        if self.norm_after_add:
+            return s("layer_output", self.mlp_post_norm(mid + m))
         return s("layer_output", (m + a) + x if self.parallel else mid + m)
 
     def entries(self, names: dict) -> list[Entry]:
@@ -131,5 +154,6 @@ class Block(eqx.Module):
             if module is not None:
                 if part not in names:
                     raise ValueError(f"the block has {part} but the family's names do not say where it is stored")
-                entries += [e.under(names[part] + ".", part + ".") for e in module.entries(names)]
+                prefix = names[part] + "." if names[part] else ""  # "": the part's tensors sit in the block (OPT's fc1)
+                entries += [e.under(prefix, part + ".") for e in module.entries(names)]
         return entries

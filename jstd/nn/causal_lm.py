@@ -23,6 +23,7 @@ from jaxtyping import Array, Float
 
 from jstd.core.context import begin
 from jstd.kernels.mrope import mrope_positions
+from jstd.kernels.projection import add_bias
 from jstd.kernels.rope import Rotary
 from jstd.kernels.rounding import rounded, times
 from jstd.kernels.softcap import softcap
@@ -36,12 +37,13 @@ TEXT_MODEL_SITES = frozenset({"token_embeddings", "final_norm_output", "lm_head_
 
 
 class CausalLM(Model):
-    """A causal LM. Arrays: ``embed`` [vocab, embed], ``layers`` (a ``Stack``), ``final_norm``,
+    """A causal LM. Arrays: ``embed`` [vocab, embed], ``layers`` (a ``Stack``), ``final_norm`` (None where the
+    blocks end normed: OPT-350M; then no ``final_norm_output``),
     ``lm_head`` [embed, vocab] (None when tied to ``embed``: the head is ``embed.T``, one array)."""
 
     embed: Float[Array, "vocab embed"] = param("vocab", "embed")
     layers: Stack
-    final_norm: RMSNorm
+    final_norm: RMSNorm | None
     lm_head: Float[Array, "embed vocab"] | None = param("embed", "vocab")
     rotary: Rotary | None = eqx.field(static=True)
     embedding_multiplier: float = eqx.field(static=True, default=1.0)
@@ -49,6 +51,8 @@ class CausalLM(Model):
     rotary_in_float32: bool = eqx.field(static=True, default=False)  # OLMo's rotary returns float32 cos/sin
     final_logit_softcapping: float | None = eqx.field(static=True, default=None)
     kind_rotary: tuple[tuple[str, Rotary | None], ...] = eqx.field(static=True, default=())  # block kind -> rotary
+    # the head's bias (GPT-J, Phi; None elsewhere)
+    lm_head_bias: Float[Array, "vocab"] | None = eqx.field(default=None, metadata={"axes": ("vocab",)})
 
     model_sites: ClassVar[frozenset[str]] = TEXT_MODEL_SITES
 
@@ -77,7 +81,8 @@ class CausalLM(Model):
 
     @property
     def sites(self) -> frozenset[str]:
-        return super().sites | self.rope_sites
+        # a model without a final norm (OPT-350M's post-norm blocks end normed) has no final_norm_output
+        return (super().sites | self.rope_sites) - ({"final_norm_output"} if self.final_norm is None else set())
 
     @property
     def conv_width(self) -> int | None:
@@ -106,7 +111,8 @@ class CausalLM(Model):
         return h
 
     def head(self, normed: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
-        return normed @ (self.embed.T if self.lm_head is None else self.lm_head)
+        """The head's product (``lm_head_output``), plus its bias where it has one (GPT-J, Phi)."""
+        return add_bias(normed @ (self.embed.T if self.lm_head is None else self.lm_head), self.lm_head_bias)
 
     def scaled_logits(self, head_output: Float[Array, "... vocab"]) -> Float[Array, "... vocab"]:
         """The head's output times ``logits_scaling`` (the identity at 1): the logits before any soft-cap."""
@@ -128,7 +134,18 @@ class CausalLM(Model):
     def readout(self):
         """``(final_norm, linear)``: the final RMSNorm and the linear map from its output to the logits *before*
         the final soft-cap (``logit_softcap``; the logits themselves without one), for direct logit attribution."""
+        if self.final_norm is None or any(getattr(slot, "norm_after_add", False) for slot in self.layers.slots):
+            raise NotImplementedError(
+                f"direct logit attribution needs the stream to be the sum of the blocks' contributions; this "
+                f"{self.family} model's post-norm blocks norm it after every add (do_layer_norm_before=False), so no "
+                "block's part of the logits is linear in its output: patch or ablate instead")
         return self.final_norm, lambda normed: self.scaled_logits(self.head(normed))
+
+    def unavailable(self, site: str) -> str:
+        if site == "final_norm_output" and self.final_norm is None:
+            return (f"{self.family} has no final norm: its post-norm blocks end normed (do_layer_norm_before=False); "
+                    "the head reads the last layer_output")
+        return super().unavailable(site)
 
     def rotary_for(self, kind: str) -> Rotary | None:
         """The rotary of blocks of ``kind``: its own (``kind_rotary``) or the model's."""
@@ -136,7 +153,7 @@ class CausalLM(Model):
 
     def project_on_vocab(self, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
         """Final norm, head and whatever follows the head: the logit lens (exact at the last block)."""
-        return self.logits_from_norm(self.final_norm(hidden))
+        return self.logits_from_norm(hidden if self.final_norm is None else self.final_norm(hidden))
 
     def forward(self, inputs, tap, context=None, merge=None, rope_positions=None, after_block=None, blocks=None):
         """``(logits, reads)``; ``merge`` (a wrapper's): a function of the token embeddings that puts the image
@@ -180,6 +197,6 @@ class CausalLM(Model):
                 pasts["linear_attn"] = (context.states, context.conv_inputs)
         h, block_reads = self.layers(h, tap, {"self_attn": attention, "linear_attn": (None, padding)}, pasts,
                                      None if context is None else context.block, after=after_block)
-        normed = s("final_norm_output", self.final_norm(h))
+        normed = h if self.final_norm is None else s("final_norm_output", self.final_norm(h))
         logits = s("logits", self.finish_logits(s("lm_head_output", self.head(normed))))
         return logits, {**s.records, **block_reads}
