@@ -175,7 +175,8 @@ def _activations(tc: Transcoders, x, s: Settings):
         return jax.nn.relu(pre), pre
     if s.architecture == "topk":
         return topk(pre, s.k), pre
-    return jumprelu_estimated(pre, jnp.maximum(tc.threshold, 1e-6)[:, None, :], s.bandwidth), pre
+    estimated = lambda p, theta: jumprelu_estimated(p, theta, s.bandwidth)  # θ's gradient summed per block
+    return jax.vmap(estimated)(pre, jnp.maximum(tc.threshold, 1e-6)), pre
 
 
 def _loss(tc: Transcoders, x, y, s: Settings):
