@@ -107,13 +107,19 @@ def test_head_loadings_sum_to_the_edge(case):
         head_loadings(model, graph, tc, graph.token_start, s)
 
     data = frontend_json(graph, "qk-test", node_threshold=1.0, edge_threshold=1.0, scan="local/random-clt")
+    kinds = {n["node_id"]: n for n in data["nodes"]}
+    link = next(e for e in data["links"] if kinds[e["source"]]["feature_type"] == kinds[e["target"]]["feature_type"]
+                == "cross layer transcoder")
+    node = lambda n: graph.feature_node(int(n["layer"]), n["ctx_idx"], int(n["node_id"].split("_")[1]))
+    t2, s2 = node(kinds[link["target"]]), node(kinds[link["source"]])
+    loads2 = head_loadings(model, graph, tc, t2, s2)
     qk = qk_attribution(model, graph, tc, layer=1, head=2, query_pos=8, key_pos=5)
-    data = graph_json_extras(data, graph, [qk], {(t, s): loads}, top=5)
+    data = graph_json_extras(data, graph, [qk], {(t2, s2): loads2, (t, s): loads}, top=5)
     assert len(data["qk"]) == 1 and len(data["qk"][0]["terms"]) == 5
-    ids = {n["node_id"] for n in data["nodes"]} | {"bias"}
-    assert all(term["query"] in ids or term["query"].startswith(("E_", "0_")) for term in data["qk"][0]["terms"])
-    loaded = [link for link in data["links"] if "head_loadings" in link]
-    assert len(loaded) == 1 and np.allclose(loaded[0]["head_loadings"], loads)
+    (qs, ks, v), = qk.top(1)
+    assert data["qk"][0]["terms"][0]["value"] == v and data["qk"][0]["score"] == qk.score
+    assert [e["head_loadings"] for e in data["links"] if "head_loadings" in e] == [loads2.tolist()]
+    assert link["head_loadings"] == loads2.tolist()
 
 
 def test_bad_requests_are_named(case):
