@@ -128,3 +128,29 @@ def test_bad_requests_are_named(case):
         qk_attribution(model, graph, tc, layer=1, head=0, query_pos=3, key_pos=5)
     with pytest.raises(ValueError, match="outside the model"):
         qk_attribution(model, graph, tc, layer=2, head=0, query_pos=3, key_pos=1)
+
+
+def test_aggregate_edges_over_prompts(case):
+    """Edges summed by position-free node keys in each graph, then averaged over graphs: against a loop over every
+    entry of both adjacency matrices."""
+    from jstd.circuits.sweep import aggregate_edges, node_keys
+
+    model, tc, graph = case
+    other = jstd.attribute(model, graph.input_tokens[::-1].copy()[np.r_[-1, :len(graph.input_tokens) - 1]], tc)
+    table = aggregate_edges([graph, other])
+    want: dict = {}
+    present: dict = {}
+    for g in (graph, other):
+        keys = node_keys(g)
+        per: dict = {}
+        for t, s in zip(*np.nonzero(g.adjacency)):
+            per[(keys[t], keys[s])] = per.get((keys[t], keys[s]), 0.0) + float(g.adjacency[t, s])
+        for k, v in per.items():
+            want[k] = want.get(k, 0.0) + v / 2
+            present[k] = present.get(k, 0) + 1
+    assert len(table.mean) == len(want)
+    for j in np.random.default_rng(0).choice(len(table.mean), 50, replace=False):
+        k = (table.keys[table.targets[j]], table.keys[table.sources[j]])
+        assert abs(table.mean[j] - want[k]) <= 1e-9 + 1e-6 * abs(want[k]) and table.count[j] == present[k]
+    (t, s, v, c), = table.top(1)
+    assert table.weight(t, s) == v and v == max(want.values(), key=abs)
