@@ -305,3 +305,78 @@ def test_cli_writes_the_frontend_json(tmp_path, capsys):
     assert main(["attribute", str(d / "model"), "--transcoders", str(tmp_path / "none"), "--prompt", text,
                  "--out", str(tmp_path)]) == 1
     assert "no transcoder set" in capsys.readouterr().err
+
+
+# ---- interventions --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama_clt_relu_skip", "gemma2_plt_jumprelu"])
+def test_graph_predicts_a_frozen_intervention(name):
+    """Steering three feature nodes in the frozen model moves every target's input by Σ_s Δ_s / a_s · A[t, s]."""
+    from jstd.circuits.interventions import frozen_effect
+
+    model, _, tc, g = graph_of(name)
+    nodes = [0, g.n_features // 2, g.n_features - 1]
+    items, weights = [], np.zeros(g.n_nodes)
+    for i, step in zip(nodes, (0.05, -0.1, 0.02)):
+        _, l, p, f = g.node(i)
+        a = float(g.activation_values[g.selected_features[i]])
+        items.append((l, p, f, a + step))
+        weights[i] = step / a
+    predicted = g.adjacency.astype(np.float64) @ weights
+    effect = frozen_effect(model, g.input_tokens, tc, items)
+    n = g.n_pos
+    logit_moves = np.asarray(g.logit_vectors, np.float64) @ np.asarray(effect["final"][n - 1], np.float64)
+    np.testing.assert_allclose(logit_moves, predicted[g.logit_start:], rtol=1e-4,
+                               atol=1e-5 * np.abs(predicted).max())
+    feats = g.active_features[g.selected_features]
+    enc = np.asarray(tc.W_enc, np.float64)[feats[:, 0], feats[:, 2]]
+    moves = (enc * np.asarray(effect["inputs"], np.float64)[feats[:, 0], feats[:, 1]]).sum(1)
+    np.testing.assert_allclose(moves, predicted[:g.n_features], rtol=1e-4, atol=1e-5 * np.abs(predicted).max())
+    assert np.abs(predicted).max() > 1e-3
+
+
+def test_free_interventions_reuse_the_splice():
+    from jstd.circuits.interventions import intervene
+
+    model, _, tc, g = graph_of("llama_plt_jumprelu")
+    tokens = g.input_tokens
+    clean = np.asarray(jstd.run(model, jnp.asarray(tokens[None])).logits[0])
+    _, l, p, f = g.node(g.n_features - 1)
+    a = float(g.activation_values[g.selected_features[-1]])
+    np.testing.assert_allclose(intervene(model, tokens, tc, [(l, p, f, a)]), clean, rtol=1e-5, atol=1e-5)
+    ablated = np.asarray(intervene(model, tokens, tc, [(l, p, f, 0.0)]))
+    assert np.abs(ablated - clean).max() > 1e-4
+    np.testing.assert_allclose(ablated[:p], clean[:p], rtol=1e-5, atol=1e-5)  # nothing before the position moves
+    frozen = np.asarray(intervene(model, tokens, tc, [(l, p, f, 0.0)], frozen=True))
+    assert np.abs(frozen - clean).max() > 1e-4
+    _, _, clt, _ = graph_of("llama_clt_relu_skip")
+    with pytest.raises(ValueError, match="cross-layer"):
+        intervene(model, tokens, clt, [(0, 1, 0, 0.0)])
+    with pytest.raises(ValueError, match="position 0"):
+        intervene(model, tokens, tc, [(0, 0, 0, 0.0)])
+
+
+def test_programs_that_skip_blocks_and_positions_give_the_same_graph():
+    """With more active features than 4 batches, a batch of features read before block D runs only the first D
+    blocks (Stack.first, here on Gemma 2's alternating sliding and global blocks: a period of two) and the first P
+    positions its targets need (prompts of 16 or more): the graph is the one program's."""
+    model, tok, tc, g = graph_of("gemma2_plt_jumprelu")
+    spec = case("gemma2_plt_jumprelu")[0]
+    prompt = (spec["prompt_ids_given"] * 4)[:17]
+    one = attribute(model, prompt, tc, batch_size=1024, tokenizer=tok)
+    assert one.n_features > 40 and one.n_pos == 18
+    parts = attribute(model, prompt, tc, batch_size=8, tokenizer=tok)
+    np.testing.assert_allclose(parts.adjacency, one.adjacency, rtol=0, atol=2e-6 * np.abs(one.adjacency).max())
+
+
+def test_several_prompts_in_one_call():
+    model, tok, tc, g = graph_of("llama_plt_relu")
+    spec = case("llama_plt_relu")[0]
+    other = list(reversed(spec["prompt_ids_given"]))
+    graphs = attribute(model, [spec["prompt_ids_given"], other], tc, tokenizer=tok,
+                       batch_size=spec["settings"]["batch_size"])
+    alone = attribute(model, other, tc, tokenizer=tok, batch_size=spec["settings"]["batch_size"])
+    for a, b in ((graphs[0], g), (graphs[1], alone)):
+        np.testing.assert_array_equal(a.active_features, b.active_features)
+        np.testing.assert_allclose(a.adjacency, b.adjacency, rtol=0, atol=1e-6 * np.abs(b.adjacency).max())

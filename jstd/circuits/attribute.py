@@ -136,14 +136,14 @@ class _Sources:
     """The prompt's sources laid out per (block, position) for ``direct_effects``, and the gather that turns its
     per-slot results into feature columns."""
 
-    def __init__(self, tc: Transcoders, acts: np.ndarray):
+    def __init__(self, tc: Transcoders, acts: np.ndarray, min_slots: int = 1):
         L, n, _ = acts.shape
         layer, pos, feat = np.nonzero(acts)
         self.active = np.stack([layer, pos, feat], 1).astype(np.int64)
         self.values = acts[layer, pos, feat].astype(np.float32)
         vectors = tc.decoder_vectors(layer, feat) * self.values[:, None, None]  # [n_active, L, d]
         writes = np.arange(L)[None, :] >= layer[:, None] if tc.cross_layer else np.arange(L)[None, :] == layer[:, None]
-        K, U = 1, None
+        K, U = min_slots, None
         flat = np.full((len(layer), L), 0, np.int64)
         slot = np.zeros((len(layer), L), np.int64)
         for lo in range(L):  # each feature's slot among those writing at (lo, its position), in active order
@@ -203,12 +203,26 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
     Exact as circuit-tracer within float32 rounding (tests/test_circuits.py compares every entry). Raises
     ValueError for transcoders that do not fit the model, bad prompts or targets.
     """
+    settings = dict(targets=targets, max_n_logits=max_n_logits, desired_logit_prob=desired_logit_prob,
+                    max_feature_nodes=max_feature_nodes, batch_size=batch_size, update_interval=update_interval,
+                    tokenizer=tokenizer)
     several = isinstance(inputs, (list, tuple)) and inputs and not isinstance(inputs[0], (int, np.integer))
     if several or (isinstance(inputs, np.ndarray) and inputs.ndim == 2):
-        return [attribute(model, p, transcoders, targets=targets, max_n_logits=max_n_logits,
-                          desired_logit_prob=desired_logit_prob, max_feature_nodes=max_feature_nodes,
-                          batch_size=batch_size, update_interval=update_interval, tokenizer=tokenizer)
-                for p in inputs]
+        # one slot count for every prompt, so prompts of one length share every compiled program
+        slots = max(_Sources(transcoders, _activations(model, transcoders, prompt_tokens(
+            p, tokenizer, model.config.vocab_size))).K for p in inputs)
+        return [_attribute(model, p, transcoders, slots, **settings) for p in inputs]
+    return _attribute(model, inputs, transcoders, 1, **settings)
+
+
+def _activations(model, tc: Transcoders, ids: np.ndarray) -> np.ndarray:
+    _check(model, tc)
+    v = prompt_values(model, jnp.asarray(ids[None], jnp.int32), tc.input_site, tc.output_site)
+    return np.asarray(tc.encode(v["x"][:, 0].astype(jnp.float32)).at[:, :ZERO_POSITIONS].set(0))
+
+
+def _attribute(model, inputs, transcoders: Transcoders, min_slots: int, *, targets, max_n_logits, desired_logit_prob,
+               max_feature_nodes, batch_size, update_interval, tokenizer) -> Graph:
     tc = transcoders
     _check(model, tc)
     if batch_size < 1 or update_interval < 1:
@@ -222,7 +236,7 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
     acts = tc.encode(x).at[:, :ZERO_POSITIONS].set(0)
     errors = (v["y"][:, 0].astype(jnp.float32) - (tc.decode(acts) + tc.skip(x))).at[:, :ZERO_POSITIONS].set(0)
     acts = np.asarray(acts)
-    src = _Sources(tc, acts)
+    src = _Sources(tc, acts, min_slots)
     n_active = len(src.values)
     token_vectors = v["embeddings"][0].astype(jnp.float32)
     t_ids, t_probs, t_vecs, t_labels = logit_targets(model, np.asarray(v["logits"][0, -1]), targets, max_n_logits,
@@ -231,17 +245,35 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
     enc = np.asarray(tc.W_enc, np.float32)
     U, E = jnp.asarray(src.U), errors
 
+    # Programs that skip what a batch cannot reach, once enough rows share them (small graphs use one program):
+    # a batch of features read before block D runs only the first D blocks (circuit-tracer, too, backpropagates
+    # from the deepest layer in a batch), and one whose targets lie at positions < P only the first P positions
+    # (a causal model: nothing later reaches them; P rounded up to a quarter of the prompt, so at most 4 lengths).
+    by_depth = n_active > 4 * batch_size
+    lengths = sorted({-(-n * i // 4) for i in range(1, 5)}) if by_depth and n >= 16 else [n]
+    cut = {P: (tokens[:, :P], U[:, :P], E[:, :P], token_vectors[:P]) for P in lengths}
+
     def rows(layers, positions, vectors):
         """The source columns ``[m, n_active + L·n + n]`` of targets, ``batch_size`` at a time."""
         out = []
         for s in range(0, len(layers), batch_size):
             m = min(batch_size, len(layers) - s)
+            depth = min(int(layers[s:s + m].max()) + 1, L) if by_depth else L
+            P = next(P for P in lengths if P > int(positions[s:s + m].max()))
             pad = lambda a: np.concatenate([a[s:s + m], np.zeros((batch_size - m,) + a.shape[1:], a.dtype)])
-            c, ce, ct = direct_effects(model, tokens, tc, jnp.asarray(pad(layers), jnp.int32),
-                                       jnp.asarray(pad(positions), jnp.int32), jnp.asarray(pad(vectors)), U, E,
-                                       token_vectors)
+            toks, U_P, E_P, T_P = cut[P]
+            c, ce, ct = direct_effects(model, toks, tc, jnp.asarray(pad(layers), jnp.int32),
+                                       jnp.asarray(pad(positions), jnp.int32), jnp.asarray(pad(vectors)), U_P, E_P,
+                                       T_P, depth=depth)
             c, ce, ct = np.asarray(c)[:m], np.asarray(ce)[:m], np.asarray(ct)[:m]
-            out.append(np.concatenate([src.columns(c), ce.reshape(m, L * n), ct], 1))
+            D = c.shape[1]
+            full = np.zeros((m, L, n) + c.shape[3:], c.dtype)
+            full[:, :D, :P] = c
+            errs = np.zeros((m, L, n), ce.dtype)
+            errs[:, :D, :P] = ce
+            toks_cols = np.zeros((m, n), ct.dtype)
+            toks_cols[:, :P] = ct
+            out.append(np.concatenate([src.columns(full), errs.reshape(m, L * n), toks_cols], 1))
         return np.concatenate(out) if out else np.zeros((0, n_active + (L + 1) * n), np.float32)
 
     n_sources = n_active + (L + 1) * n

@@ -35,12 +35,13 @@ import numpy as np
 
 from jstd.circuits.attribute import ZERO_POSITIONS
 from jstd.circuits.graph import Graph
-from jstd.circuits.replacement import HoldInput, SkipOnly, prompt_values
+from jstd.circuits.replacement import SkipOnly, prompt_values
 from jstd.circuits.transcoders import Transcoders
 from jstd.core.edits import Add
 from jstd.nn.attention import Attention
 from jstd.nn.frozen import frozen
 from jstd.run import run
+from jstd.sae.splice import Source
 
 QUERIES, KEYS = "layers.self_attn.attention_queries", "layers.self_attn.attention_keys"
 HEADS = "layers.self_attn.attention_head_outputs"
@@ -103,7 +104,7 @@ def _replacement(model, tokens, tc: Transcoders, reads, heads_delta: bool = Fals
     x_site, y_site = tc.input_site, tc.output_site
 
     def f(deltas):
-        edits = [HoldInput(x_site, y_site), SkipOnly(y_site, tc.W_skip, deltas[0]), Add("token_embeddings", deltas[1])]
+        edits = [Source(x_site, y_site), SkipOnly(y_site, tc.W_skip, deltas[0]), Add("token_embeddings", deltas[1])]
         if heads_delta:
             edits.append(Add(HEADS, deltas[2]))
         out = run(model, tokens, edits, reads=reads)

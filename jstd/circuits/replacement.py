@@ -33,33 +33,14 @@ from jstd.core.edits import Add, Edit
 from jstd.core.sites import SITES
 from jstd.nn.frozen import frozen
 from jstd.run import run
-
-_HELD = "_circuits_inputs"  # the Tap attribute: output site -> the transcoders' input of this block
-
-
-class HoldInput(Edit):
-    """Passes the transcoders' input ``x_l`` through unchanged and hands it to ``SkipOnly`` at ``target``."""
-
-    target: str = eqx.field(static=True)
-
-    def __init__(self, site: str, target: str):
-        self._init_site(site, None, None)
-        self.target = target
-
-    def op(self, value):
-        return value
-
-    def within(self, value: Array, scope) -> Array:
-        held = dict(getattr(scope.tap, _HELD, {}))
-        held[self.target] = value
-        setattr(scope.tap, _HELD, held)
-        return value
+from jstd.sae.splice import Source, source_value
 
 
 class SkipOnly(Edit):
     """At the transcoders' output site: ``stop_gradient(y) + (skip(x) - stop_gradient(skip(x))) + delta``. The forward value is
     ``y + delta``; the derivative reaches ``x`` only through the skip (``W_skip [L, d_in, d_out]`` or None) and
-    ``delta`` (stacked over blocks, ``[L, batch, seq, d]``) is where a perturbation of ``y`` enters."""
+    ``delta`` (stacked over blocks, ``[L, batch, seq, d]``) is where a perturbation of ``y`` enters. ``x``: what
+    ``jstd.sae.splice.Source`` at the transcoders' input site hands it."""
 
     W_skip: Float[Array, "layers d_in d_out"] | None
     value: Float[Array, "layers batch seq d_out"]
@@ -79,7 +60,7 @@ class SkipOnly(Edit):
         out = jax.lax.stop_gradient(y) + self.value.astype(y.dtype)
         if self.W_skip is None:
             return out
-        x = getattr(scope.tap, _HELD)[self.site]
+        x = source_value(scope, self.site)
         skip = (x.astype(self.W_skip.dtype) @ self.W_skip[scope.stack_index]).astype(y.dtype)
         return out + (skip - jax.lax.stop_gradient(skip))
 
@@ -94,34 +75,49 @@ def prompt_values(model, tokens: Int[Array, "batch seq"], input_site: str, outpu
             "final": out["final_norm_output"], "logits": out.logits}
 
 
-def linearised(model, tokens, tc: Transcoders):
-    """``f(δ_y [L, batch, seq, d], ε [batch, seq, d]) -> (x [L, batch, seq, d], final norm output)``: the local
-    replacement model (module docstring), a function whose derivative at zero gives the direct effects."""
-    model = frozen(model)
+def shallow(model, depth: int):
+    """``model`` with only its first ``depth`` blocks (``Stack.first``): a target read at block ``depth - 1``
+    depends on nothing later, so its backward need not pass the later blocks."""
+    if depth == model.config.num_layers:
+        return model
+    return eqx.tree_at(lambda m: m.layers, model, model.layers.first(depth))
+
+
+def linearised(model, tokens, tc: Transcoders, depth: int | None = None):
+    """``f(δ_y [D, batch, seq, d], ε [batch, seq, d]) -> (x [D, batch, seq, d], final norm output)``: the local
+    replacement model (module docstring) of the first ``D = depth`` blocks (None: all), a function whose
+    derivative at zero gives the direct effects. Below the full depth the final norm's output is that of the
+    truncated stream (no logit target reads it)."""
+    depth = depth or tc.num_layers
+    model = frozen(shallow(model, depth))
     x_site, y_site = tc.input_site, tc.output_site
+    W_skip = None if tc.W_skip is None else tc.W_skip[:depth]
 
     def f(deltas):
         d_y, d_e = deltas
-        edits = [HoldInput(x_site, y_site), SkipOnly(y_site, tc.W_skip, d_y), Add("token_embeddings", d_e)]
+        edits = [Source(x_site, y_site), SkipOnly(y_site, W_skip, d_y), Add("token_embeddings", d_e)]
         out = run(model, tokens, edits, reads=(x_site, "final_norm_output"))
         return out[x_site], out["final_norm_output"]
 
     return f
 
 
-def gradients(model, tokens, tc: Transcoders, layers, positions, vectors):
+def gradients(model, tokens, tc: Transcoders, layers, positions, vectors, depth: int | None = None):
     """For each target ``b`` (``layers[b]`` in ``0..L``, ``L``: the final norm's output; ``positions[b]``;
-    ``vectors[b] [d]``): ``(g_y [batch_targets, L, seq, d], g_embed [batch_targets, seq, d])``, the gradient of
-    ``⟨v, x⟩`` at every block's MLP output and at the embeddings in the linearised model (one prompt row)."""
-    L = tc.num_layers
+    ``vectors[b] [d]``): ``(g_y [batch_targets, D, seq, d], g_embed [batch_targets, seq, d])``, the gradient of
+    ``⟨v, x⟩`` at every block's MLP output and at the embeddings in the linearised model (one prompt row).
+    ``depth`` (static; None: all blocks): run only the first ``D`` blocks; every feature target must then read a
+    block before ``D``, and no logit target may be among them (the caller's promise)."""
+    depth = depth or tc.num_layers
+    L = depth if depth < tc.num_layers else tc.num_layers
     n = tokens.shape[1]
     d = tc.d_out
-    f = linearised(model, tokens, tc)
+    f = linearised(model, tokens, tc, depth)
     zeros = (jnp.zeros((L, 1, n, d), jnp.float32), jnp.zeros((1, n, d), jnp.float32))
     (x, final), pullback = jax.vjp(f, zeros)
     B = vectors.shape[0]
     rows = jnp.arange(B)
-    feature = layers < L
+    feature = layers < tc.num_layers
     ct_x = jnp.zeros((B,) + x.shape, x.dtype).at[rows, jnp.minimum(layers, L - 1), 0, positions].set(
         jnp.where(feature[:, None], vectors, 0).astype(x.dtype))
     ct_f = jnp.zeros((B,) + final.shape, final.dtype).at[rows, 0, positions].set(
@@ -130,14 +126,17 @@ def gradients(model, tokens, tc: Transcoders, layers, positions, vectors):
     return g_y[:, :, 0], g_e[:, 0]
 
 
-@jax.jit
-def direct_effects(model, tokens, tc: Transcoders, layers, positions, vectors, sources, errors, token_vectors):
-    """The rows of a batch of targets (``gradients``' arguments) against every source: ``(features [B, L, seq,
-    K], errors [B, L, seq], tokens [B, seq])`` where ``sources [L, seq, K, d]`` holds the (activation-scaled)
+@functools.partial(jax.jit, static_argnames="depth")
+def direct_effects(model, tokens, tc: Transcoders, layers, positions, vectors, sources, errors, token_vectors,
+                   depth: int | None = None):
+    """The rows of a batch of targets (``gradients``' arguments) against every source: ``(features [B, D, seq,
+    K], errors [B, D, seq], tokens [B, seq])`` where ``sources [L, seq, K, d]`` holds the (activation-scaled)
     vectors the sources write at each block and position (zeros where fewer than K write), ``errors [L, seq, d]``
-    the error vectors and ``token_vectors [seq, d]`` the token embeddings."""
-    g_y, g_e = gradients(model, tokens, tc, layers, positions, vectors)
+    the error vectors and ``token_vectors [seq, d]`` the token embeddings; ``D = depth`` (static; None: L) blocks
+    (sources at later blocks have no direct effect on targets before ``D``)."""
+    g_y, g_e = gradients(model, tokens, tc, layers, positions, vectors, depth)
+    D = g_y.shape[1]
     prec = jax.lax.Precision.HIGHEST
-    return (jnp.einsum("blpd,lpkd->blpk", g_y, sources, precision=prec),
-            jnp.einsum("blpd,lpd->blp", g_y, errors, precision=prec),
+    return (jnp.einsum("blpd,lpkd->blpk", g_y, sources[:D], precision=prec),
+            jnp.einsum("blpd,lpd->blp", g_y, errors[:D], precision=prec),
             jnp.einsum("bpd,pd->bp", g_e, token_vectors, precision=prec))

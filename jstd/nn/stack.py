@@ -161,6 +161,15 @@ class Stack(eqx.Module):
         reads = {**_stacked_reads(period_reads, tail_reads), **single.reads(kept)}
         return (h, reads, [streams[i] for i in keep]) if keep else (h, reads)
 
+    def first(self, depth: int) -> "Stack":
+        """The stack of its first ``depth`` blocks (the same arrays, sliced): what a forward that stops after block
+        ``depth - 1`` runs."""
+        if not 1 <= depth <= self.depth:
+            raise ValueError(f"Stack.first: depth {depth} is outside 1..{self.depth}")
+        p = self.period
+        slots = tuple(jax.tree.map(lambda a: a[:len(range(q, depth, p))], self.slots[q]) for q in range(min(p, depth)))
+        return dataclasses.replace(self, slots=slots, kinds=self.kinds[:depth])
+
     def unstacked(self, take: Callable) -> "Stack":
         """The same stack with each slot's blocks held one by one (``Rows``) and run unrolled, not scanned: each
         block reads its own arrays. ``take(a, j)``: row ``j`` of a stacked array."""

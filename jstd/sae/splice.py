@@ -137,6 +137,12 @@ class Source(Edit):
         return value
 
 
+def source_value(scope, target: str):
+    """The value a ``Source`` at this block handed to the edit at ``target`` (a whole site name), None if none
+    (other edits that read a second site of their block use it too: ``jstd.circuits``' held MLPs)."""
+    return getattr(scope.tap, _SOURCES, {}).get(target)
+
+
 class Splice(Edit):
     """A dictionary run at ``site`` inside the forward (see the module docstring for what it passes on).
 
@@ -185,7 +191,7 @@ class Splice(Edit):
         if self.source is None:
             x_in = x
         else:
-            x_in = getattr(scope.tap, _SOURCES, {}).get(self.site)
+            x_in = source_value(scope, self.site)
             if x_in is None:
                 raise SiteError(f"the transcoder at {self.site} reads {self.source}, which this block did not "
                                 "compute before it")

@@ -1,0 +1,140 @@
+"""Attribution graphs: ``jstd.attribute`` against circuit-tracer 0.5.0 on issue 37's benchmark case.
+
+The case (scripts/circuit_tracer/time_attribution.py writes it, in circuit-tracer's own venv, and times
+circuit-tracer on it): a random 4-block, 256-wide Llama (4 heads of 64, 2 KV heads, MLP 1024, vocab 512), a ReLU
+cross-layer transcoder with 1024 features per block (``mlp.hook_in`` -> ``mlp.hook_out``), a 24-token prompt with
+about 2,900 active features, and 16 prompts of the same length. Reported for jstd, float32 on the CPU:
+
+1. compile: the first ``attribute`` call (both compiled programs: the prompt's forward and the batched backward),
+   apart from the runs;
+2. one prompt, warm, best of ``--repeats``, at each ``--batch-sizes``, with the graph checked against
+   circuit-tracer's (every adjacency entry within 1e-5 of the largest);
+3. 16 prompts in one ``attribute`` call (a list of prompts: the programs compile once per call structure, the
+   first call apart).
+
+circuit-tracer's figures are read from the case's ``case.json`` (``benchmark.timing``: its warm best over batch
+sizes, and its 16 prompts one after another), measured by time_attribution.py on the same machine just before::
+
+    make circuit-tracer                                              # .venv-ct, once
+    .venv-ct/bin/python scripts/circuit_tracer/time_attribution.py /tmp/bench --n-prompts 16
+    python benchmarks/attribution.py --case /tmp/bench/bench_llama4x256_clt1024
+
+Without ``--case`` it builds a case of the same shape itself (random weights; no circuit-tracer figure):
+``python benchmarks/attribution.py [--tiny]`` (``--tiny``: 2 blocks, 64 wide, a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+TARGET_ACTIVE = 2900
+
+
+def build_case(folder: Path, tiny: bool, n_prompts: int) -> dict:
+    """A Llama and a ReLU CLT of the benchmark's shape (random), ``b_enc`` shifted so ~2,900 features (tiny: 200)
+    are active on the first prompt; returns a case.json-like dict."""
+    import jax.numpy as jnp
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import jstd
+    from jstd.circuits import Transcoders, save_transcoders
+
+    L, d, F, vocab, n = (2, 64, 256, 128, 16) if tiny else (4, 256, 1024, 512, 24)
+    torch.manual_seed(5)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=L,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(folder / "model")
+    rng = np.random.default_rng(6)
+    prompts = [[1] + rng.integers(4, vocab, n - 1).tolist() for _ in range(n_prompts)]
+    model = jstd.load(folder / "model")
+    x = np.asarray(jstd.run(model, jnp.asarray([prompts[0]]), reads=("layers.mlp_input",))["layers.mlp_input"][:, 0])
+    W_enc = rng.normal(0, 1 / np.sqrt(d), (L, F, d)).astype(np.float32)
+    pre = np.einsum("lpd,lfd->lpf", x[:, 1:], W_enc).reshape(-1)
+    want = 200 if tiny else TARGET_ACTIVE
+    shift = float(np.sort(pre)[::-1][want - 1: want + 1].mean())
+    tc = Transcoders(jnp.asarray(W_enc), jnp.full((L, F), -shift, jnp.float32),
+                     tuple(jnp.asarray(rng.normal(0, 0.05, (F, L - l, d)), jnp.float32) for l in range(L)),
+                     jnp.zeros((L, d), jnp.float32), None, None, cross_layer=True, scan="local/bench")
+    save_transcoders(tc, folder / "transcoders")
+    return {"prompt_ids_given": prompts[0][1:], "benchmark": {"prompts_given": [p[1:] for p in prompts]}}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--case", default=None, help="time_attribution.py's case folder (bench_llama4x256_clt1024)")
+    ap.add_argument("--batch-sizes", type=int, nargs="*", default=[128, 256, 512])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--n-prompts", type=int, default=16)
+    ap.add_argument("--tiny", action="store_true", help="without --case: a 2-block, 64-wide smoke case")
+    args = ap.parse_args()
+
+    import jax
+
+    import jstd
+    from jstd.circuits import attribute, load_transcoders
+
+    tmp = None
+    if args.case:
+        case_dir = Path(args.case)
+        case = json.loads((case_dir / "case.json").read_text())
+    else:
+        tmp = tempfile.TemporaryDirectory()
+        case_dir = Path(tmp.name)
+        case = build_case(case_dir, args.tiny, args.n_prompts)
+    model = jstd.load(case_dir / "model")
+    tc = load_transcoders(case_dir / "transcoders")
+    bos = [1]
+    prompt = np.asarray(bos + case["prompt_ids_given"])
+    prompts = [np.asarray(bos + p) for p in case["benchmark"]["prompts_given"][:args.n_prompts]]
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+
+    rows = []
+    compile_s, graph = timed(lambda: attribute(model, prompt, tc, batch_size=args.batch_sizes[0]))
+    rows.append(("first call (compiles)", f"{compile_s:.2f} s", ""))
+    ref_file = case_dir / "graph.safetensors"
+    if ref_file.exists():
+        from jstd.io.safetensors import SafetensorsFiles
+
+        want = np.array(SafetensorsFiles(ref_file).mapped("adjacency_matrix", lazy=True))
+        err = float(np.abs(graph.adjacency - want).max() / np.abs(want).max())
+        rows.append(("graph vs circuit-tracer's", f"{err:.1e}", "max |Δ| / max |A| (must be <= 1e-5)"))
+    best = None
+    for bs in args.batch_sizes:
+        attribute(model, prompt, tc, batch_size=bs)  # compiles this batch size
+        s = min(timed(lambda: attribute(model, prompt, tc, batch_size=bs))[0] for _ in range(args.repeats))
+        rows.append((f"one prompt, batch {bs}", f"{s:.3f} s", f"{graph.n_features} features, {graph.n_nodes} nodes"))
+        best = s if best is None else min(best, s)
+    first, _ = timed(lambda: attribute(model, prompts, tc, batch_size=args.batch_sizes[-1]))
+    many, graphs = timed(lambda: attribute(model, prompts, tc, batch_size=args.batch_sizes[-1]))
+    rows.append((f"{len(prompts)} prompts in one call, first (compiles)", f"{first:.3f} s", ""))
+    rows.append((f"{len(prompts)} prompts in one call", f"{many:.3f} s",
+                 f"{sum(g.n_features for g in graphs)} features in all"))
+    timing = case.get("benchmark", {}).get("timing")
+    if timing:
+        ct = timing["best_seconds"]
+        rows.append(("circuit-tracer, one prompt (best batch)", f"{ct:.3f} s", f"jstd is {ct / best:.1f}x faster"))
+        if "n_prompts_seconds_sequential" in timing:
+            ct16 = timing["n_prompts_seconds_sequential"]
+            rows.append((f"circuit-tracer, {timing['n_prompts']} prompts", f"{ct16:.3f} s",
+                         f"jstd is {ct16 / many:.1f}x faster"))
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
+    print("| figure | seconds | detail |\n| --- | --- | --- |")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
