@@ -154,3 +154,30 @@ def test_aggregate_edges_over_prompts(case):
         assert abs(table.mean[j] - want[k]) <= 1e-9 + 1e-6 * abs(want[k]) and table.count[j] == present[k]
     (t, s, v, c), = table.top(1)
     assert table.weight(t, s) == v and v == max(want.values(), key=abs)
+
+
+def test_grouped_query_heads_and_a_skip(tmp_path):
+    """circuit-tracer's reference case llama_clt_relu_skip (3 blocks, 4 query heads on 2 key-value heads, a CLT
+    with a skip path): every head's terms sum to the forward's score; a soft-capped model is refused."""
+    import json
+    from pathlib import Path
+
+    from jstd.circuits import load_transcoders
+
+    d = Path(__file__).parent / "data" / "circuit_tracer" / "llama_clt_relu_skip"
+    model, tc = jstd.load(d / "model"), load_transcoders(d / "transcoders")
+    assert tc.W_skip is not None
+    ids = json.loads((d / "case.json").read_text())["prompt_ids_given"]
+    graph = jstd.attribute(model, ids, tc)
+    n = graph.n_pos
+    scores = jstd.run(model, jnp.asarray(graph.input_tokens[None], jnp.int32),
+                      reads=("layers.self_attn.attention_scores",))["layers.self_attn.attention_scores"]
+    for layer, head in [(2, 0), (2, 3), (1, 2)]:
+        qk = qk_attribution(model, graph, tc, layer=layer, head=head, query_pos=n - 1, key_pos=n // 2)
+        want = float(scores[layer, 0, head, n - 1, n // 2])
+        assert abs(qk.terms.sum() - want) <= 1e-5 * max(abs(want), 1.0), (layer, head)
+    gemma = Path(__file__).parent / "data" / "circuit_tracer" / "gemma2_clt_relu"
+    g_model, g_tc = jstd.load(gemma / "model"), load_transcoders(gemma / "transcoders")
+    g_ids = json.loads((gemma / "case.json").read_text())["prompt_ids_given"]
+    with pytest.raises(ValueError, match="soft-caps"):
+        qk_attribution(g_model, jstd.attribute(g_model, g_ids, g_tc), g_tc, layer=0, head=0, query_pos=2, key_pos=1)
