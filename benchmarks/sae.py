@@ -68,7 +68,7 @@ def training(folder, tokens, repeats, steps=3):
     import torch
 
     import jstd
-    from jstd.sae.train import Settings, State, _adam, _compiled
+    from jstd.sae.train import Settings, State, _compiled, default_optimizer
 
     model = jstd.load(folder)
     rows = []
@@ -79,7 +79,7 @@ def training(folder, tokens, repeats, steps=3):
     H = x.shape[1]
 
     sae = jstd.sae.init(jax.random.key(0), H, D_SAE)
-    optimizer = _adam(4e-4)  # train's default: SAELens' update (clip to global norm 1, then Adam)
+    optimizer = default_optimizer(4e-4)  # train's default: SAELens' update (clip to global norm 1, then Adam)
     settings = Settings("standard", None, 5.0, 0.0, 0.05, H // 2, 0.0, 10**9)
     state = State(sae, optimizer.init(sae), jnp.zeros(D_SAE), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
     step = _compiled(optimizer, settings)[0]  # the update train runs between logged steps

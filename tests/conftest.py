@@ -73,3 +73,21 @@ def zoo(tmp_path_factory):
     from reference.cases import Zoo
 
     return Zoo(tmp_path_factory, families.CASES)
+
+
+@pytest.fixture(scope="session")
+def on_8_devices():
+    """``run(code) -> float``: ``code`` run by this Python in a process of its own with 8 simulated CPU devices (the
+    suite has one); the last line it prints, as a number. The process must succeed."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
+
+    def run(code: str) -> float:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return float(done.stdout.strip().splitlines()[-1])
+
+    return run

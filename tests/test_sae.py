@@ -474,14 +474,7 @@ print(max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(jax
 """
 
 
-def test_training_data_and_model_parallel_on_8_devices():
+def test_training_data_and_model_parallel_on_8_devices(on_8_devices):
     """The batch over data (4) and the latents over model (2) of 8 CPU devices, in a subprocess (the suite has
     one device): the same dictionary as on one device."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
-    done = subprocess.run([sys.executable, "-c", MESH_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-6
+    assert on_8_devices(MESH_CHECK) < 1e-6

@@ -151,6 +151,7 @@ def _jumprelu_bwd(res, g):
 
 
 _jumprelu.defvjp(_jumprelu_fwd, _jumprelu_bwd)
+jumprelu_estimated = _jumprelu  # ``pre · (pre > θ)``; θ's gradient through the rectangle kernel (width ``bandwidth``)
 
 
 class Settings(NamedTuple):
@@ -286,7 +287,7 @@ def _resample(state: State, x, s: Settings) -> State:
 
 
 @functools.lru_cache(maxsize=16)
-def _adam(learning_rate: float) -> optax.GradientTransformation:
+def default_optimizer(learning_rate: float) -> optax.GradientTransformation:
     """The default optimizer, SAELens' update: the gradients clipped to global norm 1 (its trainer always clips),
     then Adam (β 0.9, 0.999). One object per learning rate, so the compiled step is reused across calls."""
     import optax  # here: importing jstd does not import optax
@@ -398,59 +399,30 @@ def train(
     sae = init_sae if init_sae is not None else init(
         init_key, rows.width, d_sae, architecture={"batchtopk": "topk", "relu": "standard"}.get(architecture, architecture),
         k=k, threshold=threshold, hook_name=hook)
-    optimizer = optimizer or _adam(float(learning_rate))
+    optimizer = optimizer or default_optimizer(float(learning_rate))
     batch_sharding, sae_sharding = _placement(mesh, sae)
     if sae_sharding is not None:
         sae = jax.device_put(sae, sae_sharding)
     state = State(sae, optimizer.init(sae), jnp.zeros(sae.d_sae), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
     fingerprint = dict(architecture=architecture, d_sae=d_sae, width=rows.width, rows=len(rows), batch_size=batch_size,
                        k=k, site=rows.site, block=rows.block)
-    log: list[dict[str, float]] = []
-    ckpt = None if checkpoint is None else Path(checkpoint)
-    if ckpt is not None and (ckpt / "state.json").exists():
-        state, log = _restore(ckpt, state, fingerprint)
-
     try:
         step_fn, measured_fn, resample_fn = _compiled(optimizer, settings)
     except TypeError:  # an optimizer that does not hash: compiled for this call alone
         step_fn, measured_fn, resample_fn = _compiled.__wrapped__(optimizer, settings)
-    epoch_rows = len(rows) - len(rows) % batch_size
-    per_epoch = epoch_rows // batch_size
+    order = shuffled_batches(len(rows), batch_size, data_key)
+    batch = lambda i: placed(rows.read(order(i)), batch_sharding)
 
-    orders: dict[int, np.ndarray] = {}
+    def after(state, i, x):
+        if resample_every and (i + 1) % resample_every == 0 and i + 1 < steps:
+            return resample_fn(state, x)
+        return state
 
-    def rows_of(i: int) -> np.ndarray:
-        epoch, at = divmod(i, per_epoch)
-        if epoch not in orders:  # one permutation of the rows per epoch (only the current one kept)
-            orders.clear()
-            orders[epoch] = np.asarray(jax.random.permutation(jax.random.fold_in(data_key, epoch), len(rows)))
-        return np.sort(orders[epoch][at * batch_size:(at + 1) * batch_size])
-
-    def batch(i: int):
-        x = rows.read(rows_of(i))
-        return x if batch_sharding is None else jax.device_put(x, batch_sharding)
-
-    start = int(state.step)
-    bar = Progress("train sae", count=steps, enabled=quiet_unless_terminal(progress), unit="steps")
-    bar.update(start)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        ahead = pool.submit(batch, start) if start < steps else None
-        for i in range(start, steps):
-            x = ahead.result()
-            ahead = pool.submit(batch, i + 1) if i + 1 < steps else None
-            logged = (i + 1) % log_every == 0 or i + 1 == steps
-            state, metrics = (measured_fn if logged else step_fn)(state, x)
-            if resample_every and (i + 1) % resample_every == 0 and i + 1 < steps:
-                state = resample_fn(state, x)
-            if logged:
-                last = {"step": i + 1, **{name: float(v) for name, v in metrics.items()}}
-                log.append(last)
-                bar.label = (f"train sae (explained variance {last['explained_variance']:.3f}, L0 {last['l0']:.1f}, "
+    describe = lambda last: (f"train sae (explained variance {last['explained_variance']:.3f}, L0 {last['l0']:.1f}, "
                              f"dead {last['dead']:.1%})")
-            bar.update(1)
-            if ckpt is not None and ((i + 1) % checkpoint_every == 0 or i + 1 == steps):
-                _save(ckpt, state, log, fingerprint)
-    bar.close()
+    state, log = streamed(state, steps, batch, step_fn, measured_fn, log_every=log_every, checkpoint=checkpoint,
+                          checkpoint_every=checkpoint_every, fingerprint=fingerprint, label="train sae",
+                          describe=describe, after=after, progress=progress)
     result = state.sae
     if architecture == "batchtopk":
         theta = float(state.threshold_sum / jnp.maximum(state.threshold_count, 1))
@@ -469,6 +441,66 @@ def _check_counts(**counts) -> None:
     for name, (value, least, meaning) in counts.items():
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
             raise ValueError(f"train: {name}={value!r} must be an int of at least {least} ({meaning})")
+
+
+def placed(x, sharding):
+    """``x`` on ``sharding`` (None: as it is)."""
+    return x if sharding is None else jax.device_put(x, sharding)
+
+
+def shuffled_batches(n_rows: int, batch_size: int, key: jax.Array):
+    """``rows_of(i) -> [batch_size]`` sorted row indices of batch ``i``: one permutation of the ``n_rows`` rows per
+    epoch (``fold_in(key, epoch)``), cut into ``n_rows // batch_size`` batches (the remainder left out of that
+    epoch). A pure function of ``i``, so a resumed run reads the same batches."""
+    if batch_size > n_rows:
+        raise ValueError(f"train: batch_size={batch_size} is larger than the dataset's {n_rows} rows")
+    per_epoch = n_rows // batch_size
+    orders: dict[int, np.ndarray] = {}
+
+    def rows_of(i: int) -> np.ndarray:
+        epoch, at = divmod(i, per_epoch)
+        if epoch not in orders:  # only the current epoch's permutation kept
+            orders.clear()
+            orders[epoch] = np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), n_rows))
+        return np.sort(orders[epoch][at * batch_size:(at + 1) * batch_size])
+
+    return rows_of
+
+
+def streamed(state, steps: int, batch, step_fn, measured_fn, *, log_every: int, checkpoint, checkpoint_every: int,
+             fingerprint: dict, label: str, describe=None, after=None, progress: bool = True):
+    """The training loop every trainer here shares: continue ``state`` (a pytree with a scalar ``step``) from a
+    ``checkpoint`` folder when it holds one written with the same ``fingerprint`` (else ValueError), then for each
+    step ``i`` up to ``steps``: ``batch(i)`` (read one ahead on a thread), ``step_fn(state, x) -> (state, metrics)``
+    (``measured_fn`` on steps that log: every ``log_every`` and the last), ``after(state, i, x) -> state``; the
+    log gets ``{"step", **metrics}``; the state is saved atomically every ``checkpoint_every`` steps and at the
+    end. Returns ``(state, log)``."""
+    log: list[dict[str, float]] = []
+    ckpt = None if checkpoint is None else Path(checkpoint)
+    if ckpt is not None and (ckpt / "state.json").exists():
+        state, log = _restore(ckpt, state, fingerprint)
+    start = int(state.step)
+    bar = Progress(label, count=steps, enabled=quiet_unless_terminal(progress), unit="steps")
+    bar.update(start)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(batch, start) if start < steps else None
+        for i in range(start, steps):
+            x = ahead.result()
+            ahead = pool.submit(batch, i + 1) if i + 1 < steps else None
+            logged = (i + 1) % log_every == 0 or i + 1 == steps
+            state, metrics = (measured_fn if logged else step_fn)(state, x)
+            if after is not None:
+                state = after(state, i, x)
+            if logged:
+                last = {"step": i + 1, **{name: float(v) for name, v in metrics.items()}}
+                log.append(last)
+                if describe is not None:
+                    bar.label = describe(last)
+            bar.update(1)
+            if ckpt is not None and ((i + 1) % checkpoint_every == 0 or i + 1 == steps):
+                _save(ckpt, state, log, fingerprint)
+    bar.close()
+    return state, log
 
 
 def _save(folder: Path, state: State, log, fingerprint) -> None:
