@@ -330,7 +330,10 @@ CASES.update({"-".join(filter(None, ("gpt_oss", c))): Spec(lambda c=c: gpt_oss_c
               for c in gpt_oss_cases.CASES})
 MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "qwen3_5_text-released", "clip", "siglip",
         "llava", "idefics3", "qwen2_5_vl", "gemma-2b",
-        "gpt2-small", "gpt_neox-parallel", "qwen3_moe", "gpt_neo-tinystories", "gptj-6b", "phi-2", "opt-125m", "bloom-560m")
+        "gpt2-small", "gpt_neox-parallel", "qwen3_moe", "gptj-6b", "opt-125m", "bloom-560m")
+# GPT-Neo (GPT-2's declaration with a local window and unscaled float32 scores) and Phi (GPT-J's parallel block and
+# float32 scores with NeoX's partial rotary) are outside MAIN for the suite's time: every value of every case in
+# float32 (test_conformance), their own quirks (test_classic) and collect cover what they add
 TEXT_MAIN = tuple(c for c in MAIN if not CASES[c].tower and not CASES[c].wrapper)
 # the first case of each family and tower ("llama-mha", …, "llava"; a case's family is its name before "-")
 _FIRST: dict[str, str] = {}
