@@ -25,10 +25,8 @@ from __future__ import annotations
 import dataclasses
 
 import equinox as eqx
-from jaxtyping import Array, Float
 
 from jstd.core.config import ModelConfig
-from jstd.kernels.projection import add_bias
 from jstd.kernels.rope import Rotary
 from jstd.models.mixtral import FULL, SLIDING, Mixtral
 from jstd.nn.attention import Attention
@@ -37,22 +35,12 @@ from jstd.nn.causal_lm import CausalLM
 from jstd.nn.moe import MoEMLP
 from jstd.nn.namemap import Entry
 from jstd.nn.norms import LayerNorm
-from jstd.nn.params import param, shape
-
-
-class BiasedHeadLM(CausalLM):
-    """A ``CausalLM`` whose head adds a bias (``lm_head_bias`` [vocab]; None without one)."""
-
-    lm_head_bias: Float[Array, "vocab"] | None = param("vocab", default=None)
-
-    def head(self, normed: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
-        return add_bias(super().head(normed), self.lm_head_bias)
+from jstd.nn.params import shape
 
 
 class Phimoe(Mixtral):
     family = "phimoe"
     model_types = ("phimoe",)
-    model_class = BiasedHeadLM
     handled = Mixtral.handled | {"attention_bias", "lm_head_bias", "input_jitter_noise"}
 
     @classmethod
@@ -96,7 +84,8 @@ class Phimoe(Mixtral):
         return {**super().hub_names(hf, kind), "router": "gate"}
 
     @classmethod
-    def skeleton(cls, hf, dtype) -> BiasedHeadLM:
+    def skeleton(cls, hf, dtype) -> CausalLM:
+        """Mixtral's, with ``CausalLM.lm_head_bias`` where the config has ``lm_head_bias``."""
         model = super().skeleton(hf, dtype)
         if not getattr(hf, "lm_head_bias", False):
             return model
