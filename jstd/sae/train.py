@@ -382,8 +382,8 @@ def train(
             raise ValueError(f"train: d_sae={d_sae} but init_sae has {init_sae.d_sae} latents; pass "
                              f"d_sae={init_sae.d_sae} (the dictionary trained is init_sae's)")
     rows = Rows(dataset, site, layer)
-    if batch_size > len(rows):
-        raise ValueError(f"train: batch_size={batch_size} is larger than the dataset's {len(rows)} rows")
+    init_key, data_key = jax.random.split(key)
+    order = shuffled_batches(len(rows), batch_size, data_key)  # refuses a batch larger than the rows, up front
     if init_sae is not None and (init_sae.d_in, init_sae.d_out) != (rows.width, rows.width):
         raise ValueError(f"train: init_sae reads {init_sae.d_in} and writes {init_sae.d_out} features, but the "
                          f"rows it trains on are {rows.width} wide; pass a dictionary of width {rows.width} (one "
@@ -395,7 +395,6 @@ def train(
         hook = hook_name_of(parse(rows.site)[0], rows.layer)
     elif rows.site is not None:
         hook = rows.site
-    init_key, data_key = jax.random.split(key)
     sae = init_sae if init_sae is not None else init(
         init_key, rows.width, d_sae, architecture={"batchtopk": "topk", "relu": "standard"}.get(architecture, architecture),
         k=k, threshold=threshold, hook_name=hook)
@@ -410,7 +409,6 @@ def train(
         step_fn, measured_fn, resample_fn = _compiled(optimizer, settings)
     except TypeError:  # an optimizer that does not hash: compiled for this call alone
         step_fn, measured_fn, resample_fn = _compiled.__wrapped__(optimizer, settings)
-    order = shuffled_batches(len(rows), batch_size, data_key)
     batch = lambda i: placed(rows.read(order(i)), batch_sharding)
 
     def after(state, i, x):
