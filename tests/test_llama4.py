@@ -21,6 +21,8 @@ import test_conformance_bfloat16 as bfloat16
 import test_conformance_edits as edits
 import test_generate as generate
 from conftest import assert_close
+from reference.cases import assert_sites_close
+from reference.harness import TorchEdit
 from test_gpt_oss import assert_round_trip_and_export_loads
 
 NAME = "llama4_text"
@@ -96,6 +98,31 @@ def test_chunk_and_temperature_change_values_as_in_torch(zoo):
         want = np.einsum("bte,ehd->bhtd", normed[b], w) * scale[None, None, :, None]
         assert_close(q[b], want, 1e-5, f"block {b}: tuned queries")
     assert scale[-1] > 1.4, "the case's temperature does not bite"
+
+
+def test_mlp_output_is_the_experts_on_weighted_inputs_plus_the_shared_expert(zoo):
+    """On every MoE block ``mlp_output == Σ_k expert_outputs[k] + shared_expert_output`` (the weights act on the
+    experts' inputs, not their outputs); the indices are the top-k logits, largest first; the weights their
+    sigmoids. An edit of ``router_weights`` changes what the experts read, as torch's."""
+    _, _, model, ref, spec = zoo(NAME)
+    out, _ = zoo.every_value(NAME)
+    m = "layers.mlp."
+    blocks = list(model.blocks_for(m + "router_logits"))
+    total = np.asarray(out[m + "expert_outputs"], np.float64).sum(-2) + np.asarray(out[m + "shared_expert_output"])
+    assert_close(total, np.asarray(out[m + "mlp_output"], np.float64)[blocks], 1e-6, "mlp_output")
+    logits, idx = np.asarray(out[m + "router_logits"], np.float64), np.asarray(out[m + "expert_indices"])
+    chosen = np.take_along_axis(logits, idx, -1)
+    assert (chosen >= np.sort(logits, -1)[..., -idx.shape[-1]:][..., :1] - 1e-7).all() and (
+        np.diff(chosen, axis=-1) <= 1e-7).all(), "not the top-k logits, largest first"
+    assert_close(np.asarray(out[m + "router_weights"]), 1 / (1 + np.exp(-chosen)), 1e-6, "sigmoid weights")
+    tokens, _ = spec.inputs(model, seed=7)
+    reads = ("layers.layer_output",)
+    got = jstd.run(model, tokens, [jstd.Scale(m + "router_weights", 0.5, layer=blocks[0])], reads=reads)
+    want = ref.run(tokens, reads=reads + ("logits",),
+                   edits=[TorchEdit(m + "router_weights", lambda t: t * 0.5, blocks[0])])
+    clean = ref.run(tokens, reads=("logits",))["logits"]
+    assert np.abs(want["logits"] - clean).max() > 1e-3, "halving the weights changes nothing"
+    assert_sites_close(got, want, reads, 1e-5, f"{NAME}: weights halved")
 
 
 SCOUT = {  # meta-llama/Llama-4-Scout-17B-16E config.json, cut to 2 blocks
