@@ -23,24 +23,22 @@ import test_generate as generate
 from conftest import assert_close
 from reference.cases import assert_sites_close
 from reference.harness import TorchEdit
+from published_text_configs import LLAMA4_SCOUT_TEXT
 from test_gpt_oss import assert_round_trip_and_export_loads
 
 NAME = "llama4_text"
 
 
-def test_block_identity_and_edits_match_torch_hooks(zoo):
-    """The block identity; scaling mlp_output, adding to a block's output, zeroing a value head, a uniform pattern,
-    a router re-route (expert 0 out of every top-k) and ablating each token's first choice, each as torch's hooks
-    make it."""
+def test_suite_checks_block_edits_padding_continuation(zoo):
+    """The conformance suite's checks on this case: the block identity; edits as torch's hooks make them (scaling
+    mlp_output, adding to a block's output, zeroing a value head, a uniform pattern, a router re-route: expert 0
+    out of every top-k, ablating each token's first choice); left-padded rows equal their unpadded prompts on both
+    paths (the chunks start at a row's first real token, the temperature counts real tokens); a Context continues
+    a prefix (6 tokens) past the first chunk (4)."""
     conformance.test_block_identity(zoo, NAME)
     edits.test_edits_match_torch_hooks(zoo, NAME)
-
-
-def test_left_padding_and_continuation(zoo):
-    """Left-padded rows equal their unpadded prompts on both paths (the chunks start at a row's first real token,
-    the temperature counts real tokens); a Context continues a prefix (6 tokens) past the first chunk (4)."""
-    conformance.test_left_padding(zoo, NAME, "explicit")
-    conformance.test_left_padding(zoo, NAME, "fused")
+    for path in ("explicit", "fused"):
+        conformance.test_left_padding(zoo, NAME, path)
     conformance.test_context_continues_the_run(zoo, NAME)
 
 
@@ -128,19 +126,7 @@ def test_mlp_output_is_the_experts_on_weighted_inputs_plus_the_shared_expert(zoo
 SCOUT = {  # meta-llama/Llama-4-Scout-17B-16E config.json, cut to 2 blocks
     "architectures": ["Llama4ForConditionalGeneration"], "boi_token_index": 200080, "eoi_token_index": 200081,
     "image_token_index": 200092, "model_type": "llama4",
-    "text_config": {
-        "attention_bias": False, "attention_chunk_size": 8192, "attention_dropout": 0.0, "attn_scale": 0.1,
-        "attn_temperature_tuning": True, "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008],
-        "floor_scale": 8192, "for_llm_compressor": False, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
-        "initializer_range": 0.02, "interleave_moe_layer_step": 1, "intermediate_size": 8192,
-        "intermediate_size_mlp": 16384, "max_position_embeddings": 262144, "model_type": "llama4_text",
-        "moe_layers": [0, 1], "no_rope_layers": [1, 0], "num_attention_heads": 40, "num_experts_per_tok": 1,
-        "num_hidden_layers": 2, "num_key_value_heads": 8, "num_local_experts": 16, "output_router_logits": False,
-        "pad_token_id": 200018, "rms_norm_eps": 1e-05,
-        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "rope_theta": 500000.0, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0, "torch_dtype": "bfloat16",
-        "use_cache": True, "use_qk_norm": True, "vocab_size": 202048},
+    "text_config": LLAMA4_SCOUT_TEXT,
     "tie_word_embeddings": False, "transformers_version": "4.51.0",
     "vision_config": {
         "attention_dropout": 0.0, "hidden_act": "gelu", "hidden_size": 1408, "image_size": 336,
