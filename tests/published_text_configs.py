@@ -1,7 +1,8 @@
 """config.json of more released checkpoints (Qwen3 0.6B, Gemma 2B, OLMo-2 1B, Phi-3-mini 4k and 128k, SmolLM3 3B,
 Llama-4-Scout's text_config), as the hub holds them (keys and spellings as stored, legacy ``rope_scaling`` /
 ``rope_theta`` included), cut to 2 blocks: ``tests/test_text_families.py`` reads them without weights,
-``scripts/check_published_configs.py`` runs them with random weights against transformers. (``published_configs.py`` holds the sliding-window families' ones.)
+``scripts/check_published_configs.py`` runs them with random weights against transformers.
+(``published_configs.py`` holds the sliding-window families' ones.)
 
 Written from the published files; Phi-3-mini-128k's 48 ``short_factor`` / ``long_factor`` values are of the
 published form (rising from 1) but not the published digits.
