@@ -96,6 +96,10 @@ def test_chunk_and_temperature_change_values_as_in_torch(zoo):
         want = np.einsum("bte,ehd->bhtd", normed[b], w) * scale[None, None, :, None]
         assert_close(q[b], want, 1e-5, f"block {b}: tuned queries")
     assert scale[-1] > 1.4, "the case's temperature does not bite"
+    from jstd.nn.frozen import frozen
+
+    held = frozen(model).layers.slots[rope[0] % model.layers.period].attn
+    assert held.qk_l2_norm.frozen_scale and held.frozen_pattern, "the L2 q/k norm is a norm frozen() holds"
 
 
 def test_mlp_output_is_the_experts_on_weighted_inputs_plus_the_shared_expert(zoo):
@@ -160,9 +164,9 @@ def test_published_scout_config_is_read_whole(tmp_path):
         assert (c.num_experts, c.experts_per_token, c.head_dim, c.num_kv_heads, c.model_type) == (16, 1, 128, 8, name)
         assert model.config.layer_types == ("chunked_attention", "full_attention+nope")
         rope, nope = (model.layers.slots[i].attn for i in range(2))
-        assert (rope.attention_chunk, rope.qk_l2_eps, rope.temperature, rope.rotary_interleaved) == (
+        assert (rope.attention_chunk, rope.qk_l2_norm.eps, rope.temperature, rope.rotary_interleaved) == (
             8192, 1e-5, None, True)
-        assert (nope.attention_chunk, nope.qk_l2_eps, nope.temperature) == (None, None, (8192.0, 0.1))
+        assert (nope.attention_chunk, nope.qk_l2_norm, nope.temperature) == (None, None, (8192.0, 0.1))
         mlp = model.layers.slots[0].mlp
         assert mlp.gate_up.shape == (1, 16, 5120, 16384) and mlp.shared.gate.shape == (1, 5120, 8192)
         assert (mlp.routing, mlp.weights_on_input, mlp.shared_gate) == ("top_k_sigmoid", True, None)

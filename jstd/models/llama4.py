@@ -52,6 +52,7 @@ from jstd.nn.block import LLAMA_NAMES, Block
 from jstd.nn.causal_lm import CausalLM
 from jstd.nn.mlp import GatedMLP
 from jstd.nn.moe import MoEMLP, with_experts
+from jstd.nn.norms import L2Norm
 
 CHUNKED, FULL, NOPE = "chunked_attention", "full_attention", "+nope"
 KINDS = (CHUNKED, FULL)
@@ -101,7 +102,7 @@ class Llama4Text(Llama):
         attn = dataclasses.replace(
             block.attn, rotary_interleaved=True,
             attention_chunk=int(hf.attention_chunk_size) if attention == CHUNKED else None,
-            qk_l2_eps=float(hf.rms_norm_eps) if hf.use_qk_norm and rope else None,
+            qk_l2_norm=L2Norm(float(hf.rms_norm_eps)) if hf.use_qk_norm and rope else None,
             temperature=(float(hf.floor_scale), float(hf.attn_scale)) if hf.attn_temperature_tuning and not rope
             else None)
         if kind.startswith(DENSE):

@@ -24,7 +24,7 @@ from jstd.kernels.projection import add_bias, flat_product
 from jstd.kernels.rope import apply_rotary
 from jstd.nn.params import param, shape
 from jstd.nn.namemap import Entry, present, split, split_in, split_out
-from jstd.nn.norms import RMSNorm
+from jstd.nn.norms import L2Norm, RMSNorm
 
 
 class Attention(eqx.Module):
@@ -91,8 +91,9 @@ class Attention(eqx.Module):
     * ``attention_chunk`` (chunked local attention): a query attends only the keys of its own chunk of
       ``attention_chunk`` positions (counted from the row's first real token). Like a sliding window, the caller's
       mask holds it (``kernels.attention.chunk_mask``, built per block kind by ``attention_inputs``).
-    * ``qk_l2_eps`` (``use_qk_norm``): queries and keys, after the rotary, are normed per head without a weight,
-      ``x · rsqrt(mean(x²) + eps)`` in float32 and cast back (transformers' ``Llama4TextL2Norm``).
+    * ``qk_l2_norm`` (``use_qk_norm``; ``norms.L2Norm``): queries and keys, after the rotary, are normed per head
+      without a weight, ``x · rsqrt(mean(x²) + eps)`` in float32 and cast back (transformers' ``Llama4TextL2Norm``);
+      ``jstd.nn.frozen`` holds its scale as every norm's.
     * ``temperature`` ``(floor_scale, attn_scale)`` (``attn_temperature_tuning``, on blocks without a rotary): the
       queries are multiplied by ``log1p(floor((position + 1) / floor_scale)) · attn_scale + 1``, in float32 and
       cast back; the positions come as the third element of the call's ``args`` (``attention_inputs`` gives them).
@@ -120,7 +121,7 @@ class Attention(eqx.Module):
     float32_scores: bool = eqx.field(static=True, default=False)
     alibi: tuple[float, ...] | None = eqx.field(static=True, default=None)
     attention_chunk: int | None = eqx.field(static=True, default=None)
-    qk_l2_eps: float | None = eqx.field(static=True, default=None)
+    qk_l2_norm: L2Norm | None = None
     temperature: tuple[float, float] | None = eqx.field(static=True, default=None)
 
     host: ClassVar[str] = "self_attn"
@@ -169,8 +170,8 @@ class Attention(eqx.Module):
         v = self.project(x, self.v, self.v_bias)
         if cos_sin is not None:
             q, k = (apply_rotary(x, *cos_sin, interleaved=self.rotary_interleaved) for x in (q, k))
-        if self.qk_l2_eps is not None:
-            q, k = (l2_norm(x, self.qk_l2_eps) for x in (q, k))
+        if self.qk_l2_norm is not None:
+            q, k = self.qk_l2_norm(q), self.qk_l2_norm(k)
         if self.temperature is not None:
             q = (q * temperature_scale(positions[0], *self.temperature)[:, None, :, None]).astype(q.dtype)
         q = s("self_attn.attention_queries", q)
@@ -233,12 +234,6 @@ class Attention(eqx.Module):
             None if sliding_window is None else int(sliding_window), None if softcap is None else float(softcap),
             shape(heads, dtype=dtype) if sinks else None,
         )
-
-
-def l2_norm(x: Float[Array, "... dim"], eps: float) -> Float[Array, "... dim"]:
-    """``x · rsqrt(mean(x²) + eps)`` over the last axis in float32, cast back (Llama 4's weightless q/k norm)."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def temperature_scale(positions: Int[Array, "batch seq"], floor_scale: float, attn_scale: float
