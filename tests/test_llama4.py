@@ -21,8 +21,6 @@ import test_conformance_bfloat16 as bfloat16
 import test_conformance_edits as edits
 import test_generate as generate
 from conftest import assert_close
-from reference.cases import assert_sites_close
-from reference.harness import TorchEdit
 from published_text_configs import LLAMA4_SCOUT_TEXT
 from test_gpt_oss import assert_round_trip_and_export_loads
 
@@ -105,8 +103,8 @@ def test_chunk_and_temperature_change_values_as_in_torch(zoo):
 def test_mlp_output_is_the_experts_on_weighted_inputs_plus_the_shared_expert(zoo):
     """On every MoE block ``mlp_output == Σ_k expert_outputs[k] + shared_expert_output`` (the weights act on the
     experts' inputs, not their outputs); the indices are the top-k logits, largest first; the weights their
-    sigmoids. An edit of ``router_weights`` changes what the experts read, as torch's."""
-    _, _, model, ref, spec = zoo(NAME)
+    sigmoids."""
+    model = zoo(NAME).model
     out, _ = zoo.every_value(NAME)
     m = "layers.mlp."
     blocks = list(model.blocks_for(m + "router_logits"))
@@ -117,14 +115,6 @@ def test_mlp_output_is_the_experts_on_weighted_inputs_plus_the_shared_expert(zoo
     assert (chosen >= np.sort(logits, -1)[..., -idx.shape[-1]:][..., :1] - 1e-7).all() and (
         np.diff(chosen, axis=-1) <= 1e-7).all(), "not the top-k logits, largest first"
     assert_close(np.asarray(out[m + "router_weights"]), 1 / (1 + np.exp(-chosen)), 1e-6, "sigmoid weights")
-    tokens, _ = spec.inputs(model, seed=7)
-    reads = ("layers.layer_output",)
-    got = jstd.run(model, tokens, [jstd.Scale(m + "router_weights", 0.5, layer=blocks[0])], reads=reads)
-    want = ref.run(tokens, reads=reads + ("logits",),
-                   edits=[TorchEdit(m + "router_weights", lambda t: t * 0.5, blocks[0])])
-    clean = ref.run(tokens, reads=("logits",))["logits"]
-    assert np.abs(want["logits"] - clean).max() > 1e-3, "halving the weights changes nothing"
-    assert_sites_close(got, want, reads, 1e-5, f"{NAME}: weights halved")
 
 
 SCOUT = {  # meta-llama/Llama-4-Scout-17B-16E config.json, cut to 2 blocks
@@ -217,3 +207,29 @@ def test_new_weights_have_sharding_axes(zoo):
     placed = jstd.shard(model, jstd.sharding.mesh(), jstd.sharding.EP)
     for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(model)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_chunk_mask_is_transformers_and_kernels_take_one_options_record():
+    """``kernels.attention.chunk_mask`` with ``left_padding`` equals transformers' chunked causal mask function on
+    left-padded rows (chunks counted from each row's first real token); the kernels refuse a bare soft-cap where
+    their ``ScoreOptions`` record goes, naming the record."""
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    from jstd.kernels import attention as kernels
+
+    seq, chunk = 11, 4
+    real = np.ones((3, seq), bool)
+    real[1, :3], real[2, :5] = False, False
+    causal = np.tril(np.ones((seq, seq), bool))[None, None] & real[:, None, None, :]
+    index = jnp.arange(seq)[None]
+    got = np.asarray(kernels.chunk_mask(index, index, chunk, kernels.left_padding(jnp.asarray(causal))))
+    pads = torch.as_tensor((~real).sum(1))
+    fn = chunked_causal_mask_function(chunk, pads)
+    t = torch.tensor
+    want = np.array([[[[bool(fn(t(b), t(0), t(q), t(k))) for k in range(seq)] for q in range(seq)]] for b in range(3)])
+    np.testing.assert_array_equal(got & causal, want & causal)
+    assert not np.array_equal(got, np.asarray(kernels.chunk_mask(index, index, chunk, jnp.zeros(3, int)))), \
+        "the padding offset changes nothing: the case is weak"
+    q = jnp.ones((1, 2, 3, 4))
+    with pytest.raises(TypeError, match="ScoreOptions record"):
+        kernels.scores(q, q, 0.5, None, 30.0)

@@ -57,6 +57,17 @@ class ScoreOptions:
 PLAIN = ScoreOptions()
 
 
+def checked_options(options: ScoreOptions | None) -> ScoreOptions:
+    """``options`` (None: ``PLAIN``); TypeError naming the record for anything else (a soft-cap or ALiBi slopes
+    passed where the record goes)."""
+    if options is None:
+        return PLAIN
+    if not isinstance(options, ScoreOptions):
+        raise TypeError(f"the attention kernels take their score options as one kernels.attention.ScoreOptions "
+                        f"record (softcap=, alibi=, float32_scores=), got {type(options).__name__} {options!r}")
+    return options
+
+
 def positions_and_mask(
     tokens: Int[Array, "batch seq"], attention_mask: Int[Array, "batch seq"] | None
 ) -> tuple[Int[Array, "batch seq"], Bool[Array, "batch 1 seq seq"]]:
@@ -148,10 +159,13 @@ def alibi_bias(slopes: tuple[float, ...], mask: Bool[Array, "batch 1 q k"], dtyp
 
 def scores(
     q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], scale: float,
-    mask: Bool[Array, "batch 1 q k"] | None, options: ScoreOptions = PLAIN,
+    mask: Bool[Array, "batch 1 q k"] | None, options: ScoreOptions | None = PLAIN,
 ) -> Float[Array, "batch heads q k"]:
     """scale · q·kᵀ as ``options`` make it (soft-capped, plus ALiBi's bias, float32 products), masked entries set
-    to the dtype's minimum (as transformers' eager attention); ``mask`` None attends everywhere (a vision tower)."""
+    to the dtype's minimum (as transformers' eager attention); ``mask`` None attends everywhere (a vision tower).
+    ``options`` None is ``PLAIN``; TypeError for anything else but a ``ScoreOptions`` (the record replaced the
+    positional ``softcap`` / ``alibi`` arguments)."""
+    options = checked_options(options)
     if options.float32_scores:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     softcap, alibi = options.softcap, options.alibi
@@ -193,12 +207,14 @@ def mix(p: Float[Array, "batch heads q k"], v: Float[Array, "batch kv_heads k di
 
 def fused(
     q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], v: Float[Array, "batch kv_heads k dim"],
-    scale: float, mask: Bool[Array, "batch 1 q k"] | None, options: ScoreOptions = PLAIN,
+    scale: float, mask: Bool[Array, "batch 1 q k"] | None, options: ScoreOptions | None = PLAIN,
     sinks: Float[Array, "heads"] | None = None,
 ) -> Float[Array, "batch q heads dim"]:
     """The same function through ``jax.nn.dot_product_attention`` (cuDNN/flash where available; ALiBi as its
     ``bias``); with ``sinks`` or options that kernel has no place for (``ScoreOptions.plain`` false) the explicit
-    computation, unmaterialized, the probabilities cast to the values' dtype after the softmax."""
+    computation, unmaterialized, the probabilities cast to the values' dtype after the softmax. ``options`` as
+    ``scores``'."""
+    options = checked_options(options)
     if sinks is not None:
         return mix(sink_probabilities(scores(q, k, scale, mask, options), sinks)[0], v)
     if not options.plain:
