@@ -163,6 +163,22 @@ def test_published_scout_config_is_read_whole(tmp_path):
         assert model.rotary_for("full_attention+nope") is None and model.rotary_for("chunked_attention") is not None
 
 
+def test_bad_llama4_configs_are_refused_clearly():
+    """A chunked block without a chunk and a moe_layers entry past the blocks are refused, naming the key."""
+    import llama4_cases
+
+    from jstd.models.llama4 import Llama4Text
+
+    hf = llama4_cases.config()
+    hf.attention_chunk_size = None
+    with pytest.raises(ValueError, match=r"attention_chunk_size=None is not a chunk for the chunked_attention"):
+        Llama4Text.skeleton(hf, jnp.float32)
+    hf = llama4_cases.config()
+    hf.moe_layers = [1, 7]
+    with pytest.raises(ValueError, match=r"moe_layers lists \[7\], which are not blocks \(0 \.\. 3\)"):
+        Llama4Text.skeleton(hf, jnp.float32)
+
+
 def test_image_text_checkpoint_serves_its_text_model_and_refuses_images(zoo, tmp_path):
     """A llama4 checkpoint (Llama4ForConditionalGeneration: the text model under language_model., a vision tower and
     projector beside it) loads as its text model with the text checkpoint's logits; images are refused, saying
