@@ -45,7 +45,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jstd.core.config import ModelConfig
-from jstd.models.family import TextFamily
+from jstd.models.family import Family, TextFamily
 from jstd.models.llama import Llama
 from jstd.models.qwen3_moe import DENSE
 from jstd.nn.block import LLAMA_NAMES, Block
@@ -137,16 +137,39 @@ class Llama4TextOfImageText(CausalLM):
         super().check_inputs(inputs)
 
 
+class Llama4VisionUnread(Family):
+    """The vision config of a ``llama4`` checkpoint, whose tower jstd does not build: every key of transformers'
+    ``Llama4VisionConfig`` is knowingly not read (images are refused), so none is reported as unread."""
+
+    family = "llama4_vision_model"
+    model_types = ()
+    handled = frozenset({"hidden_size", "hidden_act", "num_hidden_layers", "num_attention_heads", "num_channels",
+                         "intermediate_size", "vision_output_dim", "image_size", "patch_size", "norm_eps",
+                         "vision_feature_select_strategy", "vision_feature_layer", "initializer_range",
+                         "pixel_shuffle_ratio", "projector_input_dim", "projector_output_dim",
+                         "multi_modal_projector_bias", "projector_dropout", "attention_dropout", "rope_parameters",
+                         "rope_theta"})
+
+
 class Llama4(TextFamily):
     """``llama4`` (Llama4ForConditionalGeneration checkpoints): ``Llama4Text`` on ``config.text_config``, stored
     under ``language_model.``; the vision tower and projector are not read."""
 
     family = "llama4"
     model_types = ("llama4",)
-    # the image-text config's own keys: its text_config is read as llama4_text's; the image tokens and the vision
-    # config belong to the image path jstd refuses
+    # the image-text config's own keys (its text_config is checked against llama4_text, its vision_config against
+    # Llama4VisionUnread); the image tokens belong to the image path jstd refuses
     handled = frozenset({"text_config", "vision_config", "boi_token_index", "eoi_token_index", "image_token_index",
                          "tie_word_embeddings"})
+
+    @classmethod
+    def text_family(cls, hf) -> type[Llama4Text]:
+        """The family ``config.text_config`` is read by (its keys are checked against it: ``io.hf.unhandled``)."""
+        return Llama4Text
+
+    @classmethod
+    def tower_for(cls, hf) -> type[Llama4VisionUnread]:
+        return Llama4VisionUnread
 
     @classmethod
     def standard_config(cls, hf) -> ModelConfig:
