@@ -122,7 +122,8 @@ class MoEMLP(eqx.Module):
         if (names or {}).get("experts") == "input_major":
             entries = [Entry(f"{(names or {}).get('router', 'gate')}.weight", "router", linear),
                        Entry("experts.gate_up_proj", "gate_up"), Entry("experts.down_proj", "down")]
-            return entries + [e.under("shared_expert.", "shared.") for e in self.shared.entries()]
+            return entries + ([] if self.shared is None else
+                               [e.under("shared_expert.", "shared.") for e in self.shared.entries()])
         gate, up, down = PER_EXPERT[(names or {}).get("experts", "proj")]
         per = lambda *parts: tuple(f"experts.{e}.{p}.weight" for e in range(experts) for p in parts)
         # transformers 5's [experts, out, in], transposed; as stored where the shape says it is ours (Qwen3-VL-MoE's
