@@ -98,8 +98,8 @@ class Attention(eqx.Module):
       queries are multiplied by ``log1p(floor((position + 1) / floor_scale)) · attn_scale + 1``, in float32 and
       cast back; the positions come as the third element of the call's ``args`` (``attention_inputs`` gives them).
 
-    ``attention_queries`` and ``attention_keys`` are what enters the product: after the rotary, the L2 norm and
-    the temperature.
+    ``attention_queries`` and ``attention_keys`` are what enters the product: after the rotary and the L2 norm (and,
+    for the queries, the temperature). ValueError when a temperature-tuned attention is called without positions.
     """
 
     q: Float[Array, "embed heads head_dim"] = param("embed", "heads", "head_dim")
@@ -173,6 +173,9 @@ class Attention(eqx.Module):
         if self.qk_l2_norm is not None:
             q, k = self.qk_l2_norm(q), self.qk_l2_norm(k)
         if self.temperature is not None:
+            if not positions:
+                raise ValueError("this attention tunes its temperature by the tokens' positions (Llama 4's NoPE "
+                                 "blocks): call it with args (cos_sin, mask, positions), as attention_inputs gives them")
             q = (q * temperature_scale(positions[0], *self.temperature)[:, None, :, None]).astype(q.dtype)
         q = s("self_attn.attention_queries", q)
         k = s("self_attn.attention_keys", k)
