@@ -98,6 +98,9 @@ def test_chunk_and_temperature_change_values_as_in_torch(zoo):
 
     held = frozen(model).layers.slots[rope[0] % model.layers.period].attn
     assert held.qk_l2_norm.frozen_scale and held.frozen_pattern, "the L2 q/k norm is a norm frozen() holds"
+    tuned = jax.tree.map(lambda a: a[0], model.layers.slots[nope[0] % model.layers.period].attn)
+    with pytest.raises(ValueError, match=r"tunes its temperature by the tokens' positions.*\(cos_sin, mask, posi"):
+        tuned(jnp.ones((1, 3, hf.hidden_size)), (None, None), None)
 
 
 def test_mlp_output_is_the_experts_on_weighted_inputs_plus_the_shared_expert(zoo):
