@@ -15,6 +15,7 @@ from jstd.models.bloom import Bloom
 from jstd.models.gpt_neox import GPTNeoX
 from jstd.models.hyperclovax import HyperCLOVAX
 from jstd.models.llama import Llama
+from jstd.models.llama4 import Llama4, Llama4Text
 from jstd.models.gemma2 import Gemma2
 from jstd.models.gemma3 import Gemma3Text
 from jstd.models.mistral import Mistral
@@ -60,6 +61,8 @@ FAMILIES |= {t: f for f in (Qwen3Moe, Qwen3VLMoeText, Olmoe, Mixtral, Qwen3_5Moe
 
 # families with new attention and routing (issue 38): attention sinks, sparsemixer, a shared expert
 FAMILIES |= {t: f for f in (GptOss, Qwen2Moe, Phimoe) for t in f.model_types}
+# Llama 4: chunked attention, NoPE blocks with temperature tuning, input-weighted top-1 experts (jstd.models.llama4)
+FAMILIES |= {t: f for f in (Llama4Text, Llama4) for t in f.model_types}
 
 # model_types jstd knowingly does not serve, with the reason the loader gives
 REFUSED: dict[str, str] = {}

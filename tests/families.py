@@ -20,6 +20,7 @@ from transformers import LlavaNextConfig
 import classic_cases
 import gpt2_neox_cases
 import gpt_oss_cases
+import llama4_cases
 import llama_cases
 import moe_cases
 import olmo_hybrid_cases
@@ -328,6 +329,10 @@ CASES.update({
 CASES.update({"-".join(filter(None, ("gpt_oss", c))): Spec(lambda c=c: gpt_oss_cases.config(c), make=gpt_oss_cases.make,
                                                           reference=gpt_oss_cases.GptOssReference, seed=3)
               for c in gpt_oss_cases.CASES})
+# Llama 4: chunked attention, NoPE blocks with temperature tuning, input-weighted experts (tests/llama4_cases.py)
+CASES.update({"-".join(filter(None, ("llama4_text", c))): Spec(lambda c=c: llama4_cases.config(c), make=llama4_cases.make,
+                                                              reference=llama4_cases.Llama4Reference, seed=3)
+              for c in llama4_cases.CASES})
 MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "qwen3_5_text-released", "clip", "siglip",
         "llava", "idefics3", "qwen2_5_vl", "gemma-2b",
         "gpt2-small", "gpt_neox-parallel", "qwen3_moe", "gptj-6b", "opt-125m", "bloom-560m")

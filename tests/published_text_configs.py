@@ -1,7 +1,8 @@
-"""config.json of more released checkpoints (Qwen3 0.6B, Gemma 2B, OLMo-2 1B, Phi-3-mini 4k and 128k, SmolLM3 3B),
-as the hub holds them (keys and spellings as stored, legacy ``rope_scaling`` / ``rope_theta`` included), cut to 2
-blocks: ``tests/test_text_families.py`` reads them without weights, ``scripts/check_published_configs.py`` runs them
-with random weights against transformers. (``published_configs.py`` holds the sliding-window families' ones.)
+"""config.json of more released checkpoints (Qwen3 0.6B, Gemma 2B, OLMo-2 1B, Phi-3-mini 4k and 128k, SmolLM3 3B,
+Llama-4-Scout's text_config), as the hub holds them (keys and spellings as stored, legacy ``rope_scaling`` /
+``rope_theta`` included), cut to 2 blocks: ``tests/test_text_families.py`` reads them without weights,
+``scripts/check_published_configs.py`` runs them with random weights against transformers.
+(``published_configs.py`` holds the sliding-window families' ones.)
 
 Written from the published files; Phi-3-mini-128k's 48 ``short_factor`` / ``long_factor`` values are of the
 published form (rising from 1) but not the published digits.
@@ -68,8 +69,26 @@ SMOLLM3_3B = {
     "use_cache": False, "use_sliding_window": False, "vocab_size": 128256,
 }
 
+# Llama-4-Scout-17B-16E's text_config (tests/test_llama4.py wraps it in the image-text config.json); moe_layers and
+# no_rope_layers cut to the 2 blocks; the hub's attn_temperature_tuning 4 spelled true (transformers 5.24's strict
+# config refuses the int)
+LLAMA4_SCOUT_TEXT = {
+    "attention_bias": False, "attention_chunk_size": 8192, "attention_dropout": 0.0, "attn_scale": 0.1,
+    "attn_temperature_tuning": True, "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008],
+    "floor_scale": 8192, "for_llm_compressor": False, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
+    "initializer_range": 0.02, "interleave_moe_layer_step": 1, "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384, "max_position_embeddings": 262144, "model_type": "llama4_text",
+    "moe_layers": [0, 1], "no_rope_layers": [1, 0], "num_attention_heads": 40, "num_experts_per_tok": 1,
+    "num_hidden_layers": BLOCKS, "num_key_value_heads": 8, "num_local_experts": 16, "output_router_logits": False,
+    "pad_token_id": 200018, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_qk_norm": True, "vocab_size": 202048,
+}
+
 PUBLISHED = {
     "Qwen/Qwen3-0.6B": QWEN3_0_6B, "google/gemma-2b": GEMMA_2B, "allenai/OLMo-2-0425-1B": OLMO2_1B,
     "microsoft/Phi-3-mini-4k-instruct": PHI3_MINI_4K, "microsoft/Phi-3-mini-128k-instruct": PHI3_MINI_128K,
-    "HuggingFaceTB/SmolLM3-3B": SMOLLM3_3B,
+    "HuggingFaceTB/SmolLM3-3B": SMOLLM3_3B, "meta-llama/Llama-4-Scout-17B-16E": LLAMA4_SCOUT_TEXT,
 }

@@ -82,7 +82,7 @@ BLOCK_SITES = [
     ("mlp_input", RESIDUAL, "What the MLP is called with."),
     ("layer_output", RESIDUAL, "The residual stream leaving the block: layer_mid + mlp_output."),
     # softmax attention
-    ("self_attn.attention_queries", ("batch", "heads", "seq", "qk_head_dim"), "The queries entering attention, after the rotary embedding where the family has one."),
+    ("self_attn.attention_queries", ("batch", "heads", "seq", "qk_head_dim"), "The queries entering attention, after the rotary embedding where the family has one (and, on Llama 4, its L2 norm or attention temperature: what enters the product)."),
     ("self_attn.attention_keys", ("batch", "kv_heads", "seq", "qk_head_dim"), "The keys entering attention, after the rotary embedding, before the grouped-query repeat."),
     ("self_attn.attention_values", ("batch", "kv_heads", "seq", "head_dim"), "The values entering attention, before the grouped-query repeat."),
     ("self_attn.attention_scores", ("batch", "heads", "query", "key"), "The attention scores entering the softmax: scaled q·k (soft-capped, tanh(s / cap) · cap, where the family caps them: Gemma 2) with the causal, padding and sliding-window mask applied (masked entries hold the dtype's minimum; the key axis spans every key, a window's keys outside it masked)."),
@@ -101,8 +101,8 @@ BLOCK_SITES = [
     ("mlp.router_logits", ("batch", "seq", "experts"), "The router's logits, one per expert (what the softmax and the top-k read; an edit re-routes: -inf at an expert removes it from the top-k)."),
     ("mlp.router_weights", ("batch", "seq", "top_k"), "The weights of the chosen experts (after the family's renormalisation), in the router's top-k order; derived, read-only (edit router_logits to re-route, expert_outputs to change a contribution).", False),
     ("mlp.expert_indices", ("batch", "seq", "top_k"), "The chosen experts (integer ids), in the router's top-k order; derived, read-only.", False),
-    ("mlp.expert_outputs", ("batch", "seq", "top_k", "hidden"), "Each chosen expert's output before its router weight, in expert_indices' order (zero one to ablate that expert's contribution; mlp_output = sum of router_weights times expert_outputs, plus shared_expert_output)."),
-    ("mlp.shared_expert_output", RESIDUAL, "The shared expert's output after its sigmoid gate, added to the routed experts' sum (Qwen3.5-MoE)."),
+    ("mlp.expert_outputs", ("batch", "seq", "top_k", "hidden"), "Each chosen expert's output before its router weight, in expert_indices' order (zero one to ablate that expert's contribution; mlp_output = sum of router_weights times expert_outputs, plus shared_expert_output). Llama 4 weights the experts' inputs instead: each is the expert's output on its weighted input, and mlp_output their plain sum plus shared_expert_output."),
+    ("mlp.shared_expert_output", RESIDUAL, "The shared expert's output after its sigmoid gate (Qwen3.5-MoE, Qwen2-MoE; ungated on Llama 4), added to the routed experts' sum."),
     ("mlp.mlp_raw_output", RESIDUAL, "The MLP's own output (the down projection's), before the post-norm and the residual multiplier that turn it into mlp_output; the post-norm undoes a scaling here (up to its eps), so scale mlp_output instead.", True, "hyperclovax"),
     # the gated DeltaNet mixer (linear attention)
     ("linear_attn.attention_queries", ("batch", "seq", "heads", "key_dim"), "The queries entering the delta rule (after the convolution and its activation, before the kernel's l2 norm)."),

@@ -16,16 +16,56 @@ Soft-capped scores (``softcap``: Gemma 2) are
 
 Attention sinks (``sinks``: gpt-oss) are one learned logit per head that joins every row's softmax as one more
 column (``sink_probabilities``): the sink takes probability mass but adds no value, so a row's probabilities over
-the real keys sum to less than 1.
+the real keys sum to less than 1. Chunked attention (``chunk_mask``: Llama 4's local blocks) is one more mask: a
+query attends only the keys of its own chunk of ``chunk`` positions, counted from the row's first real token.
+
+How scores are made beyond the scale and the mask is one static record, ``ScoreOptions`` (soft-cap, ALiBi, float32
+products), so a family's new option is a field there, not one more argument of every kernel.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jstd.kernels.softcap import softcap as capped
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreOptions:
+    """How ``scores`` turns ``scale · q·kᵀ`` into the scores (static and hashable: a jit-static field).
+
+    ``softcap`` (Gemma 2): ``tanh(s / cap) · cap`` of the scaled product, before the mask. ``alibi`` (BLOOM): ALiBi
+    slopes, one a head: ``alibi_bias`` added before the mask. ``float32_scores`` (GPT-Neo, GPT-J): queries and keys
+    cast to float32 before the product (the scores are float32 whatever the model's dtype; the caller casts the
+    probabilities to the values' dtype). The default is none of them: the plain scaled product."""
+
+    softcap: float | None = None
+    alibi: tuple[float, ...] | None = None
+    float32_scores: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """Whether ``jax.nn.dot_product_attention`` computes these scores (no cap, no float32 product; ALiBi
+        goes in as its ``bias``)."""
+        return self.softcap is None and not self.float32_scores
+
+
+PLAIN = ScoreOptions()
+
+
+def checked_options(options: ScoreOptions | None) -> ScoreOptions:
+    """``options`` (None: ``PLAIN``); TypeError naming the record for anything else (a soft-cap or ALiBi slopes
+    passed where the record goes)."""
+    if options is None:
+        return PLAIN
+    if not isinstance(options, ScoreOptions):
+        raise TypeError(f"the attention kernels take their score options as one kernels.attention.ScoreOptions "
+                        f"record (softcap=, alibi=, float32_scores=), got {type(options).__name__} {options!r}")
+    return options
 
 
 def positions_and_mask(
@@ -56,6 +96,22 @@ def window_mask(
     with left padding a row's real tokens see the same keys as the row unpadded; combine with the causal and
     padding mask (``&``)."""
     return (key_index[:, None, :] > query_index[:, :, None] - window)[:, None]
+
+
+def left_padding(mask: Bool[Array, "batch 1 q k"]) -> Int[Array, "batch"]:
+    """Each row's left padding: the keys before the first one its last query sees (transformers'
+    ``left_padding_tokens``: the leading zeros of the attention mask; 0 on a row that is padded on the right)."""
+    return jnp.sum(jnp.cumsum(mask[:, 0, -1, :], axis=-1) == 0, axis=-1)
+
+
+def chunk_mask(query_index: Int[Array, "batch q"], key_index: Int[Array, "batch k"], chunk: int,
+               padding: Int[Array, "batch"]) -> Bool[Array, "batch 1 q k"]:
+    """True where a key lies in its query's chunk: ``(key - padding) // chunk == (query - padding) // chunk``
+    (transformers' ``chunked_overlay``; indices as ``window_mask``'s, ``padding`` from ``left_padding``, so a
+    left-padded row's chunks start at its first real token, as the row's own). Combine with the causal and padding
+    mask (``&``)."""
+    pad = padding[:, None]
+    return (((key_index - pad) // chunk)[:, None, :] == ((query_index - pad) // chunk)[:, :, None])[:, None]
 
 
 def bidirectional_blocks(inside: Bool[Array, "batch seq"]) -> Int[Array, "batch seq"]:
@@ -103,11 +159,16 @@ def alibi_bias(slopes: tuple[float, ...], mask: Bool[Array, "batch 1 q k"], dtyp
 
 def scores(
     q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], scale: float,
-    mask: Bool[Array, "batch 1 q k"] | None, softcap: float | None = None, alibi: tuple[float, ...] | None = None,
+    mask: Bool[Array, "batch 1 q k"] | None, options: ScoreOptions | None = PLAIN,
 ) -> Float[Array, "batch heads q k"]:
-    """scale · q·kᵀ (soft-capped by ``softcap``: ``tanh(s / cap) · cap``; plus ``alibi_bias(alibi, mask)`` with
-    ALiBi slopes), masked entries set to the dtype's minimum (as transformers' eager attention); ``mask`` None
-    attends everywhere (a vision tower)."""
+    """scale · q·kᵀ as ``options`` make it (soft-capped, plus ALiBi's bias, float32 products), masked entries set
+    to the dtype's minimum (as transformers' eager attention); ``mask`` None attends everywhere (a vision tower).
+    ``options`` None is ``PLAIN``; TypeError for anything else but a ``ScoreOptions`` (the record replaced the
+    positional ``softcap`` / ``alibi`` arguments)."""
+    options = checked_options(options)
+    if options.float32_scores:
+        q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    softcap, alibi = options.softcap, options.alibi
     b, h, t, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, h // kv, t, d)
@@ -146,18 +207,18 @@ def mix(p: Float[Array, "batch heads q k"], v: Float[Array, "batch kv_heads k di
 
 def fused(
     q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], v: Float[Array, "batch kv_heads k dim"],
-    scale: float, mask: Bool[Array, "batch 1 q k"] | None, softcap: float | None = None,
-    sinks: Float[Array, "heads"] | None = None, alibi: tuple[float, ...] | None = None, float32_scores: bool = False,
+    scale: float, mask: Bool[Array, "batch 1 q k"] | None, options: ScoreOptions | None = PLAIN,
+    sinks: Float[Array, "heads"] | None = None,
 ) -> Float[Array, "batch q heads dim"]:
     """The same function through ``jax.nn.dot_product_attention`` (cuDNN/flash where available; ALiBi as its
-    ``bias``); with a ``softcap``, ``sinks`` or ``float32_scores`` (which that kernel has no place for) the explicit
-    computation, unmaterialized. ``float32_scores``: queries and keys cast to float32 before the product and the
-    probabilities cast to the values' dtype after the softmax (GPT-Neo's and GPT-J's attention)."""
+    ``bias``); with ``sinks`` or options that kernel has no place for (``ScoreOptions.plain`` false) the explicit
+    computation, unmaterialized, the probabilities cast to the values' dtype after the softmax. ``options`` as
+    ``scores``'."""
+    options = checked_options(options)
     if sinks is not None:
-        return mix(sink_probabilities(scores(q, k, scale, mask, softcap, alibi), sinks)[0], v)
-    if softcap is not None or float32_scores:
-        up = (lambda x: x.astype(jnp.float32)) if float32_scores else (lambda x: x)
-        return mix(probabilities(scores(up(q), up(k), scale, mask, softcap, alibi)).astype(v.dtype), v)
+        return mix(sink_probabilities(scores(q, k, scale, mask, options), sinks)[0], v)
+    if not options.plain:
+        return mix(probabilities(scores(q, k, scale, mask, options)).astype(v.dtype), v)
     t = lambda x: jnp.swapaxes(x, 1, 2)
-    bias = None if alibi is None else alibi_bias(alibi, mask, q.dtype)
+    bias = None if options.alibi is None else alibi_bias(options.alibi, mask, q.dtype)
     return jax.nn.dot_product_attention(t(q), t(k), t(v), bias=bias, mask=mask, scale=scale)

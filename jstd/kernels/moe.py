@@ -51,6 +51,14 @@ def route(logits: Float[Array, "... experts"], k: int, normalize: bool, weights_
     return values.astype(weights_dtype), indices
 
 
+def top_k_sigmoid(logits: Float[Array, "... experts"], k: int) -> tuple[Float[Array, "... top_k"], Int[Array, "... top_k"]]:
+    """Llama 4's routing: the ``k`` largest logits (ties as torch's ``topk``), each weighted by its sigmoid in
+    float32, cast to the logits' dtype (transformers' ``Llama4Router``; the weights are independent, not
+    normalised)."""
+    values, indices = top_k(logits, k)
+    return jax.nn.sigmoid(values.astype(jnp.float32)).astype(logits.dtype), indices
+
+
 def sparsemixer(logits: Float[Array, "... experts"], jitter_eps: float
                 ) -> tuple[Float[Array, "... 2"], Int[Array, "... 2"]]:
     """Phi-3.5-MoE's routing as transformers' ``sparsemixer`` runs at inference (``training`` False): two

@@ -20,6 +20,7 @@ from jstd.models.gpt_neox import GPTNeoX
 from jstd.models.gpt_oss import GptOss
 from jstd.models.hyperclovax import HyperCLOVAX
 from jstd.models.llama import Llama
+from jstd.models.llama4 import Llama4Text
 from jstd.models.gemma2 import Gemma2
 from jstd.models.gemma3 import Gemma3Text
 from jstd.models.mistral import Mistral
@@ -44,7 +45,7 @@ TEXT_FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwe
                                      Gemma, Olmo2, Qwen3, Phi3, SmolLM3, GPT2, GPTNeoX, GPTNeo, GPTJ, Phi, OPT, Bloom,
                                      Mistral, Qwen2, Gemma2, Gemma3Text, Olmo3,
                                      Qwen3Moe, Qwen3VLMoeText, Olmoe, Mixtral, Qwen3_5MoeText, GptOss, Qwen2Moe,
-                                     Phimoe)
+                                     Phimoe, Llama4Text)
                  for t in f.model_types}
 
 # module -> the module(s) its names moved to; a module split in several is served as one module holding their names

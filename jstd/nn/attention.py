@@ -16,7 +16,7 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from jstd.core.tap import Taps
 from jstd.kernels import attention as attn_kernels
@@ -24,7 +24,7 @@ from jstd.kernels.projection import add_bias, flat_product
 from jstd.kernels.rope import apply_rotary
 from jstd.nn.params import param, shape
 from jstd.nn.namemap import Entry, present, split, split_in, split_out
-from jstd.nn.norms import RMSNorm
+from jstd.nn.norms import L2Norm, RMSNorm
 
 
 class Attention(eqx.Module):
@@ -82,6 +82,24 @@ class Attention(eqx.Module):
       (torch's form, ``kernels.attention.alibi_bias``): per query it differs from
       the paper's ``-slope_h · (query - key)`` by a constant the softmax ignores,
       so the distance bias a head adds is ``scores - scale · q·kᵀ``.
+
+    ``softcap``, ``alibi`` and ``float32_scores`` reach the kernels as one record, ``score_options``
+    (``kernels.attention.ScoreOptions``).
+
+    Llama 4's options (static; off by default):
+
+    * ``attention_chunk`` (chunked local attention): a query attends only the keys of its own chunk of
+      ``attention_chunk`` positions (counted from the row's first real token). Like a sliding window, the caller's
+      mask holds it (``kernels.attention.chunk_mask``, built per block kind by ``attention_inputs``).
+    * ``qk_l2_norm`` (``use_qk_norm``; ``norms.L2Norm``): queries and keys, after the rotary, are normed per head
+      without a weight, ``x · rsqrt(mean(x²) + eps)`` in float32 and cast back (transformers' ``Llama4TextL2Norm``);
+      ``jstd.nn.frozen`` holds its scale as every norm's.
+    * ``temperature`` ``(floor_scale, attn_scale)`` (``attn_temperature_tuning``, on blocks without a rotary): the
+      queries are multiplied by ``log1p(floor((position + 1) / floor_scale)) · attn_scale + 1``, in float32 and
+      cast back; the positions come as the third element of the call's ``args`` (``attention_inputs`` gives them).
+
+    ``attention_queries`` and ``attention_keys`` are what enters the product: after the rotary and the L2 norm (and,
+    for the queries, the temperature). ValueError when a temperature-tuned attention is called without positions.
     """
 
     q: Float[Array, "embed heads head_dim"] = param("embed", "heads", "head_dim")
@@ -102,6 +120,9 @@ class Attention(eqx.Module):
     rotary_interleaved: bool = eqx.field(static=True, default=False)
     float32_scores: bool = eqx.field(static=True, default=False)
     alibi: tuple[float, ...] | None = eqx.field(static=True, default=None)
+    attention_chunk: int | None = eqx.field(static=True, default=None)
+    qk_l2_norm: L2Norm | None = None
+    temperature: tuple[float, float] | None = eqx.field(static=True, default=None)
 
     host: ClassVar[str] = "self_attn"
     SITES: ClassVar[tuple[str, ...]] = (
@@ -113,6 +134,11 @@ class Attention(eqx.Module):
     @property
     def sites(self) -> tuple[str, ...]:
         return self.SITES + (self.SINK_SITES if self.sinks is not None else ())
+
+    @property
+    def score_options(self) -> attn_kernels.ScoreOptions:
+        """The kernels' record of how scores are made (soft-cap, ALiBi, float32 products)."""
+        return attn_kernels.ScoreOptions(self.softcap, self.alibi, self.float32_scores)
 
     def project(self, x: Float[Array, "batch seq embed"], w: Float[Array, "embed heads head_dim"],
                 b: Float[Array, "heads head_dim"] | None, norm: RMSNorm | None = None
@@ -138,12 +164,19 @@ class Attention(eqx.Module):
         return heads
 
     def __call__(self, x: Float[Array, "batch seq embed"], args, s: Taps, past=None) -> Float[Array, "batch seq embed"]:
-        cos_sin, mask = args
+        cos_sin, mask, *positions = args
         q = self.project(x, self.q, self.q_bias, self.q_norm)
         k = self.project(x, self.k, self.k_bias, self.k_norm)
         v = self.project(x, self.v, self.v_bias)
         if cos_sin is not None:
             q, k = (apply_rotary(x, *cos_sin, interleaved=self.rotary_interleaved) for x in (q, k))
+        if self.qk_l2_norm is not None:
+            q, k = self.qk_l2_norm(q), self.qk_l2_norm(k)
+        if self.temperature is not None:
+            if not positions:
+                raise ValueError("this attention tunes its temperature by the tokens' positions (Llama 4's NoPE "
+                                 "blocks): call it with args (cos_sin, mask, positions), as attention_inputs gives them")
+            q = (q * temperature_scale(positions[0], *self.temperature)[:, None, :, None]).astype(q.dtype)
         q = s("self_attn.attention_queries", q)
         k = s("self_attn.attention_keys", k)
         v = s("self_attn.attention_values", v)
@@ -154,15 +187,12 @@ class Attention(eqx.Module):
             s("self_attn.attention_sinks", self.sinks)
             interior += ("self_attn.sink_probability",)
         if self.frozen_pattern or s.touches(*interior):
-            up = (lambda x: x.astype(jnp.float32)) if self.float32_scores else (lambda x: x)
-            scores = s("self_attn.attention_scores",
-                       attn_kernels.scores(up(q), up(k), self.scale, mask, self.softcap, self.alibi))
+            scores = s("self_attn.attention_scores", attn_kernels.scores(q, k, self.scale, mask, self.score_options))
             probs = attn_kernels.probabilities(scores) if self.sinks is None else self.sunk(scores, s)
             probs = s("self_attn.attention_probabilities", probs.astype(v.dtype))
             heads = attn_kernels.mix(jax.lax.stop_gradient(probs) if self.frozen_pattern else probs, v)
         else:
-            heads = attn_kernels.fused(q, k, v, self.scale, mask, self.softcap, self.sinks, self.alibi,
-                                       self.float32_scores)
+            heads = attn_kernels.fused(q, k, v, self.scale, mask, self.score_options, self.sinks)
         heads = s("self_attn.attention_head_outputs", heads)
         heads = s("self_attn.attention_premix", self.gated(heads, x))
         return add_bias(flat_product(heads, self.o, 2), self.o_bias)
@@ -207,3 +237,11 @@ class Attention(eqx.Module):
             None if sliding_window is None else int(sliding_window), None if softcap is None else float(softcap),
             shape(heads, dtype=dtype) if sinks else None,
         )
+
+
+def temperature_scale(positions: Int[Array, "batch seq"], floor_scale: float, attn_scale: float
+                      ) -> Float[Array, "batch seq"]:
+    """Llama 4's attention temperature per query: ``log1p(floor((position + 1) / floor_scale)) · attn_scale + 1``
+    in float32 (transformers' ``attn_scales``)."""
+    p = positions.astype(jnp.float32)
+    return jnp.log1p(jnp.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0

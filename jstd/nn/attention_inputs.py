@@ -5,7 +5,9 @@ block whose ``Attention`` has a ``sliding_window`` gets the causal mask narrowed
 to its window, and a kind may have its own rotary (Gemma 3's local blocks), so
 a stack receives ``self_attn``'s arguments by block kind where they differ.
 Bidirectional blocks of tokens (Gemma 3's images) widen the causal mask before
-a window narrows it.
+a window narrows it. An attention chunk (Llama 4's local blocks) narrows the mask
+as a window does; a kind whose attention tunes its temperature (Llama 4's NoPE
+blocks) also receives the tokens' positions.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Callable
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from jstd.kernels.attention import block_mask, window_mask
+from jstd.kernels.attention import block_mask, chunk_mask, left_padding, window_mask
 from jstd.kernels.rope import Rotary
 from jstd.nn.stack import Stack
 
@@ -23,9 +25,11 @@ from jstd.nn.stack import Stack
 def attention_inputs(stack: Stack, rotary_for: Callable[[str], Rotary | None], positions, mask, context, seq: int,
                      dtype):
     """``self_attn``'s arguments ``(cos_sin, mask)`` for every block of ``stack``, or block kind -> them where kinds
-    differ: a sliding window narrows the mask (indices: the sequence's, ``Context.indices`` on a continued run), a
-    kind's own rotary (``rotary_for(kind)``) gives its cos/sin. One ``(cos_sin, mask)`` when every kind has the
-    same (no window, one rotary)."""
+    differ: a sliding window or an attention chunk narrows the mask (indices: the sequence's, ``Context.indices``
+    on a continued run; a chunk counted from the row's first real token, ``kernels.attention.left_padding``), a
+    kind's own rotary (``rotary_for(kind)``) gives its cos/sin, and a kind whose attention tunes its temperature
+    gets the tokens' ``positions`` as a third element. One ``(cos_sin, mask)`` when every kind has the same (no
+    window, no chunk, no temperature, one rotary)."""
     cos_sin = {}
 
     def angles(rotary):
@@ -33,12 +37,14 @@ def attention_inputs(stack: Stack, rotary_for: Callable[[str], Rotary | None], p
             cos_sin[rotary] = None if rotary is None else rotary.cos_sin(positions, dtype)
         return cos_sin[rotary]
 
-    windows, rotaries = {}, {}
+    shapes, rotaries = {}, {}
     for q, slot in enumerate(stack.slots):
         if slot.has("self_attn"):
-            windows.setdefault(stack.kinds[q], slot.attn.sliding_window)
+            attn = slot.attn
+            shapes.setdefault(stack.kinds[q], (attn.sliding_window, getattr(attn, "attention_chunk", None),
+                                               getattr(attn, "temperature", None) is not None))
             rotaries.setdefault(stack.kinds[q], rotary_for(stack.kinds[q]))
-    if all(w is None for w in windows.values()) and len(set(rotaries.values())) <= 1:
+    if all(shape == (None, None, False) for shape in shapes.values()) and len(set(rotaries.values())) <= 1:
         return angles(next(iter(rotaries.values()), None)), mask
     if context is None:
         index = jnp.arange(seq)[None]
@@ -46,9 +52,11 @@ def attention_inputs(stack: Stack, rotary_for: Callable[[str], Rotary | None], p
     else:
         query_index, key_index = context.indices(mask.shape[-1] - seq)
     by_kind = {}
-    for kind, window in windows.items():
+    for kind, (window, chunk, tuned) in shapes.items():
         narrowed = mask if window is None else mask & window_mask(query_index, key_index, window)
-        by_kind[kind] = (angles(rotaries[kind]), narrowed)
+        if chunk is not None:
+            narrowed = narrowed & chunk_mask(query_index, key_index, chunk, left_padding(mask))
+        by_kind[kind] = (angles(rotaries[kind]), narrowed) + ((positions,) if tuned else ())
     return by_kind
 
 

@@ -4,8 +4,8 @@ Freezing changes no forward value. It changes derivatives: a frozen norm is a fi
 LayerNorm's ``1 / std``, held), a frozen attention a fixed mixing of its values (its probabilities held, after any
 edit). With both, every path through a model whose MLPs are held too (an edit at their outputs; what
 ``jstd.circuits`` does) is linear in the residual stream: the *local replacement model* of attribution graphs.
-Works on every family built from ``jstd.nn``'s layers (every ``RMSNorm`` / ``LayerNorm``, q/k norms and post-norms
-included, and every softmax ``Attention``), in any stack.
+Works on every family built from ``jstd.nn``'s layers (every ``RMSNorm`` / ``LayerNorm`` / ``L2Norm``, q/k norms and
+post-norms included, and every softmax ``Attention``), in any stack.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import dataclasses
 import jax
 
 from jstd.nn.attention import Attention
-from jstd.nn.norms import LayerNorm, RMSNorm
+from jstd.nn.norms import L2Norm, LayerNorm, RMSNorm
 
-NORMS = (RMSNorm, LayerNorm)
+NORMS = (RMSNorm, LayerNorm, L2Norm)
 
 
 def frozen(model, *, norms: bool = True, attention: bool = True):

@@ -14,7 +14,11 @@ products, routes ``top_k_softmax`` (the softmax of the top-k logits alone) and g
 SwiGLU (``swiglu``: ``(limit, alpha)``, ``kernels.moe.clamped``); its checkpoints interleave each expert's gate and
 up columns (``names["experts"] = "interleaved"``), split into gate then up at load. Phi-3.5-MoE routes by
 ``sparsemixer`` (``kernels.moe.sparsemixer``: transformers' inference path, two experts a token) and names its
-router ``router`` (``names["router"]``). The grouped product is ``kernels.moe.expert_outputs``: O(tokens · top_k) memory.
+router ``router`` (``names["router"]``). Llama 4 routes ``top_k_sigmoid`` (``kernels.moe.top_k_sigmoid``: the top-k
+logits' sigmoids) and weights its experts' *inputs* (``weights_on_input``): ``expert_outputs`` are then
+``expert_e(router_weights[k] · x)`` and ``mlp_output`` their plain sum plus an ungated shared expert
+(``shared_gated`` False); its checkpoints store the experts fused and input-major (``names["experts"] =
+"input_major"``, taken as stored whatever the shapes). The grouped product is ``kernels.moe.expert_outputs``: O(tokens · top_k) memory.
 
 Weights are stored input-major: ``router`` ``[embed, experts]``, ``gate_up`` ``[experts, embed, 2 · mlp]`` (each
 expert's gate columns, then its up columns: transformers 5's fused ``experts.gate_up_proj`` transposed), ``down``
@@ -29,19 +33,20 @@ import dataclasses
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
 from jstd.core.config import ModelConfig
 from jstd.core.tap import Taps
-from jstd.kernels.moe import clamped, combine, expert_outputs, route, sparsemixer
+from jstd.kernels.moe import clamped, combine, expert_outputs, route, sparsemixer, top_k_sigmoid
 from jstd.nn.params import param, shape
 from jstd.nn.mlp import GatedMLP
 from jstd.nn.namemap import Entry, linear, present
 
 # how a router turns its logits into weights and experts: softmax, top-k, renormalised by ``normalize`` (most);
 # the top-k logits' softmax (gpt-oss); Phi-3.5-MoE's sparsemixer
-ROUTINGS = ("softmax", "top_k_softmax", "sparsemixer")
+ROUTINGS = ("softmax", "top_k_softmax", "sparsemixer", "top_k_sigmoid")
 # the per-expert spellings of (gate, up, down): transformers' module names, and Mixtral's hub files'
 PER_EXPERT = {"proj": ("gate_proj", "up_proj", "down_proj"), "w": ("w1", "w3", "w2")}
 
@@ -65,6 +70,7 @@ class MoEMLP(eqx.Module):
     routing: str = eqx.field(static=True, default="softmax")
     jitter_eps: float = eqx.field(static=True, default=0.0)
     swiglu: tuple[float, float] | None = eqx.field(static=True, default=None)
+    weights_on_input: bool = eqx.field(static=True, default=False)
 
     @property
     def sites(self) -> tuple[str, ...]:
@@ -81,19 +87,27 @@ class MoEMLP(eqx.Module):
         logits = s("mlp.router_logits", logits if self.router_bias is None else logits + self.router_bias)
         if self.routing == "sparsemixer":
             weights, indices = sparsemixer(logits, self.jitter_eps)
+        elif self.routing == "top_k_sigmoid":
+            weights, indices = top_k_sigmoid(logits, self.top_k)
         else:
             weights, indices = route(logits, self.top_k, self.normalize,
                                      np.float32 if self.weights_in_float32 else logits.dtype,
                                      self.routing == "top_k_softmax")
         weights = s("mlp.router_weights", weights)
         indices = s("mlp.expert_indices", indices)
-        outputs = expert_outputs(x.reshape(-1, embed), indices.reshape(-1, self.top_k), self.gate_up, self.down,
+        if self.weights_on_input:  # each (token, choice) is its own row: the expert reads the weighted input
+            rows, chosen = (x[..., None, :] * weights[..., None]).astype(x.dtype).reshape(-1, embed), indices.reshape(-1, 1)
+        else:
+            rows, chosen = x.reshape(-1, embed), indices.reshape(-1, self.top_k)
+        outputs = expert_outputs(rows, chosen, self.gate_up, self.down,
                                  self.act, gate_up_bias=self.gate_up_bias, down_bias=self.down_bias,
                                  product=None if self.swiglu is None else clamped(*self.swiglu))
         outputs = s("mlp.expert_outputs", outputs.reshape(batch, seq, self.top_k, embed))
-        y = combine(outputs, weights, indices)
+        y = combine(outputs, jnp.ones_like(weights) if self.weights_on_input else weights, indices)
         if self.shared is not None:
-            shared = s("mlp.shared_expert_output", jax.nn.sigmoid(x @ self.shared_gate) * self.shared(x, _Quiet()))
+            shared = self.shared(x, _Quiet())
+            shared = s("mlp.shared_expert_output",
+                       shared if self.shared_gate is None else jax.nn.sigmoid(x @ self.shared_gate) * shared)
             y = y + shared
         return y
 
@@ -105,6 +119,11 @@ class MoEMLP(eqx.Module):
         experts, (embed, two_mlp) = self.num_experts, self.gate_up.shape[-2:]
         if (names or {}).get("experts") == "interleaved":
             return self.interleaved_entries()
+        if (names or {}).get("experts") == "input_major":
+            entries = [Entry(f"{(names or {}).get('router', 'gate')}.weight", "router", linear),
+                       Entry("experts.gate_up_proj", "gate_up"), Entry("experts.down_proj", "down")]
+            return entries + ([] if self.shared is None else
+                               [e.under("shared_expert.", "shared.") for e in self.shared.entries()])
         gate, up, down = PER_EXPERT[(names or {}).get("experts", "proj")]
         per = lambda *parts: tuple(f"experts.{e}.{p}.weight" for e in range(experts) for p in parts)
         # transformers 5's [experts, out, in], transposed; as stored where the shape says it is ours (Qwen3-VL-MoE's
@@ -137,12 +156,12 @@ class MoEMLP(eqx.Module):
     @classmethod
     def skeleton(cls, embed: int, mlp: int, experts: int, top_k: int, act: str, normalize: bool, dtype,
                  weights_in_float32: bool = False, shared_mlp: int | None = None, biases: bool = False,
-                 routing: str = "softmax", jitter_eps: float = 0.0, swiglu: tuple[float, float] | None = None
-                 ) -> "MoEMLP":
+                 routing: str = "softmax", jitter_eps: float = 0.0, swiglu: tuple[float, float] | None = None,
+                 weights_on_input: bool = False, shared_gated: bool = True) -> "MoEMLP":
         """``experts`` SwiGLU experts ``embed`` -> ``mlp`` -> ``embed`` of which each token takes ``top_k``; a
         shared expert ``mlp`` = ``shared_mlp`` wide behind a sigmoid gate where ``shared_mlp`` is given.
-        ``biases``: a router bias and each expert's biases; ``routing`` (``ROUTINGS``), ``jitter_eps``, ``swiglu``:
-        the fields. ValueError for an unknown routing, a top-k out of range or sparsemixer's top-k other than 2."""
+        ``biases``: a router bias and each expert's biases; ``routing`` (``ROUTINGS``), ``jitter_eps``, ``swiglu``,
+        ``weights_on_input``: the fields; ``shared_gated`` False: the shared expert has no gate (Llama 4). ValueError for an unknown routing, a top-k out of range or sparsemixer's top-k other than 2."""
         if routing not in ROUTINGS:
             raise ValueError(f"unknown MoE routing {routing!r}; jstd has {', '.join(ROUTINGS)}")
         if routing == "sparsemixer" and top_k != 2:
@@ -153,10 +172,11 @@ class MoEMLP(eqx.Module):
         shared = None if shared_mlp is None else GatedMLP.skeleton(embed, shared_mlp, act, False, dtype)
         return cls(shape(embed, experts, dtype=dtype), shape(experts, embed, 2 * mlp, dtype=dtype),
                    shape(experts, mlp, embed, dtype=dtype), shared,
-                   None if shared_mlp is None else shape(embed, 1, dtype=dtype), top_k, normalize,
+                   None if shared_mlp is None or not shared_gated else shape(embed, 1, dtype=dtype), top_k, normalize,
                    weights_in_float32, act, *((shape(experts, dtype=dtype), shape(experts, 2 * mlp, dtype=dtype),
                                                shape(experts, embed, dtype=dtype)) if biases else (None,) * 3),
-                   routing, float(jitter_eps), None if swiglu is None else tuple(map(float, swiglu)))
+                   routing, float(jitter_eps), None if swiglu is None else tuple(map(float, swiglu)),
+                   bool(weights_on_input))
 
 
 def with_experts(config: ModelConfig, experts: int, top_k: int) -> ModelConfig:

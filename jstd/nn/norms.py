@@ -1,4 +1,5 @@
-"""The norms shared by every family and tower: ``RMSNorm`` (and its per-head ``HeadNorm``) and ``LayerNorm``.
+"""The norms shared by every family and tower: ``RMSNorm`` (and its per-head ``HeadNorm``), ``LayerNorm``, and the
+weightless ``L2Norm`` (Llama 4's q/k norm).
 
 Each computes in float32 as transformers does and casts back; each owns its
 fragment of the name map (``entries``: its checkpoint tensors relative to the
@@ -86,6 +87,20 @@ class HeadNorm(RMSNorm):
     """An RMSNorm over each attention head's ``head_dim`` (a per-head ``q_norm`` / ``k_norm``: Qwen3, Qwen3.5)."""
 
     weight: Float[Array, "head_dim"] = param("head_dim")
+
+
+class L2Norm(eqx.Module):
+    """``x · rsqrt(mean(x²) + eps)`` over the last axis without a weight, in float32 and cast back (Llama 4's q/k
+    norm, transformers' ``Llama4TextL2Norm``, despite its name an RMS norm). ``frozen_scale``: the ``rsqrt`` held
+    for gradients (``jstd.nn.frozen``)."""
+
+    eps: float = eqx.field(static=True)
+    frozen_scale: bool = eqx.field(static=True, default=False)
+
+    def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
+        x32 = x.astype(jnp.float32)
+        inverse = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return _scaled(x32, inverse, self.frozen_scale).astype(x.dtype)
 
 
 class LayerNorm(eqx.Module):
