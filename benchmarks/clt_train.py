@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from common import print_table, repeats_parser, time_interleaved, versions
+from common import jstd_steps, print_table, repeats_parser, time_interleaved, torch_adam_steps, versions
 
 SIZES = {"default": dict(L=8, d=512, F=4096, B=1024), "tiny": dict(L=2, d=32, F=64, B=64)}
 LAMBDA, C, LR = 1e-3, 1.0, 1e-3
@@ -36,18 +36,8 @@ def jstd_update(x, y, L, F, steps):
     optimizer = default_optimizer(LR)  # train_clt's default: clip to global norm 1, then Adam
     settings = Settings("relu", None, LAMBDA, C, 0.0, 0.05, 10 ** 9)
     state = State(tc, optimizer.init(tc), jnp.zeros((L, F)), jnp.zeros(L), jnp.zeros(()), jnp.zeros(()))
-    step = _compiled(optimizer, settings)[0]
-    batch = (jnp.asarray(x), jnp.asarray(y))
-    box = {"state": state}
-
-    def run():
-        st = box["state"]
-        for _ in range(steps):
-            st, metrics = step(st, batch)
-        jax.block_until_ready(metrics["loss"])
-        box["state"] = st
-
-    return run, tc
+    step = _compiled(optimizer, settings)[0]  # the update train_clt runs between logged steps
+    return jstd_steps(step, state, (jnp.asarray(x), jnp.asarray(y)), steps), tc
 
 
 def torch_update(tc, x, y, steps):
@@ -59,34 +49,26 @@ def torch_update(tc, x, y, steps):
     param = lambda a: torch.nn.Parameter(torch.from_numpy(np.array(a, np.float32)))
     W_enc, b_enc, b_dec = param(tc.W_enc), param(tc.b_enc), param(tc.b_dec)
     W_dec = [param(w) for w in tc.W_dec]  # [F, L - l, d]
-    params = [W_enc, b_enc, *W_dec, b_dec]
-    opt = torch.optim.Adam(params, lr=LR)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)  # [L, B, d]
     B, d = xt.shape[1], xt.shape[2]
     since = torch.zeros(L, F)
 
-    def run():
-        for _ in range(steps):
-            acts = torch.relu(torch.einsum("lbd,lfd->lbf", xt, W_enc) + b_enc[:, None, :])
-            recon = [b_dec[lo].expand(B, d) for lo in range(L)]
-            for l in range(L):
-                part = (acts[l] @ W_dec[l].reshape(F, -1)).reshape(B, L - l, d)
-                for k in range(L - l):
-                    recon[l + k] = recon[l + k] + part[:, k]
-            mse = sum(((r - yt[lo]) ** 2).sum() for lo, r in enumerate(recon)) / B
-            norms = torch.stack([w.pow(2).sum((1, 2)).sqrt() for w in W_dec])[:, None, :]
-            loss = mse + LAMBDA * torch.tanh(C * norms * acts).sum() / B
-            with torch.no_grad():
-                fired = acts.sum(1) > 0
-                since.add_(B)
-                since[fired] = 0
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad()
-        return float(loss.detach())
+    def loss_fn():
+        acts = torch.relu(torch.einsum("lbd,lfd->lbf", xt, W_enc) + b_enc[:, None, :])
+        recon = [b_dec[lo].expand(B, d) for lo in range(L)]
+        for l in range(L):
+            part = (acts[l] @ W_dec[l].reshape(F, -1)).reshape(B, L - l, d)
+            for k in range(L - l):
+                recon[l + k] = recon[l + k] + part[:, k]
+        mse = sum(((r - yt[lo]) ** 2).sum() for lo, r in enumerate(recon)) / B
+        norms = torch.stack([w.pow(2).sum((1, 2)).sqrt() for w in W_dec])[:, None, :]
+        with torch.no_grad():
+            fired = acts.sum(1) > 0
+            since.add_(B)
+            since[fired] = 0
+        return mse + LAMBDA * torch.tanh(C * norms * acts).sum() / B
 
-    return run
+    return torch_adam_steps([W_enc, b_enc, *W_dec, b_dec], loss_fn, LR, steps)
 
 
 def main():

@@ -117,7 +117,7 @@ def test_view_takes_a_graph(tmp_path):
     assert jstd.view(data, tmp_path / "again.html").read_text() == page.read_text()
     with pytest.raises(ValueError, match="pin= is a node index"):
         jstd.view(data, tmp_path / "x.html", pin=0)
-    dropped = next(i for i in range(g.n_features) if not p.node_mask[i]) if not p.node_mask[:g.n_features].all() else None
-    if dropped is not None:
-        with pytest.raises(KeyError, match="not in the pruned graph"):
-            jstd.view(g, tmp_path / "y.html", pin=dropped)
+    dropped = np.nonzero(~p.node_mask[:g.n_features])[0]
+    assert len(dropped)
+    with pytest.raises(KeyError, match="not in the pruned graph"):
+        jstd.view(g, tmp_path / "y.html", pin=int(dropped[0]))
