@@ -12,7 +12,9 @@ the values).
 
     python benchmarks/clt_train.py [--repeats 5] [--tiny]
 
-Default size: 8 blocks, 512 wide, 4096 features per block (32,768 in all), batch 1024.
+Default size: 8 blocks, 512 wide, 4096 features per block (32,768 in all), batch 1024. The update is bound by its
+matrix products (about 530 GFLOP a step at the default size, printed with each side's rate): neither side can go
+faster than the CPU's float32 matrix-product rate, so the ratio is at most the torch loop's overhead beyond them.
 """
 
 from __future__ import annotations
@@ -85,11 +87,15 @@ def main():
     jstd_run, tc = jstd_update(x, y, L, F, steps)
     t = time_interleaved({"jstd": jstd_run, "torch": torch_update(tc, x, y, steps)}, args.repeats)
     per = {k: (v[0] / steps, v[1] / steps) for k, v in t.items()}
+    # the products an update cannot skip: the encoder forward and its weight gradient, and each decoder's forward,
+    # weight gradient and gradient to the activations (no gradient to the inputs); the rest is elementwise
+    gflop = 2 * B * (2 * L * F * d + 3 * F * d * L * (L + 1) // 2) / 1e9
     rows = [(f"CLT training throughput, train_clt's update / a torch loop of the same update ({L} blocks, {d} wide, "
              f"{F} features a block, batch {B}, ReLU, tanh decoder-norm sparsity, clip + Adam)",
              f"{per['torch'][0] / per['jstd'][0]:.2f}x",
              f"jstd {B / per['jstd'][0]:,.0f} tokens/s, torch {B / per['torch'][0]:,.0f} tokens/s (median; best "
-             f"{per['torch'][1] / per['jstd'][1]:.2f}x)")]
+             f"{per['torch'][1] / per['jstd'][1]:.2f}x); {gflop:.3g} GFLOP of matrix products a step: jstd "
+             f"{gflop / per['jstd'][0]:.3g} GFLOP/s, torch {gflop / per['torch'][0]:.3g} GFLOP/s")]
     print_table(versions() + f"; {time.time() - t0:.0f} s", rows)
 
 
