@@ -71,6 +71,9 @@ def induction_graph(ns):
     assert (png < 128).mean() > 0.005                                       # drawn, not blank
     data = json.loads(re.search(r'id="page-data">(.*?)</script>', ns["page"].read_text(), re.S).group(1))
     assert data["qParams"]["clickedId"] == f"{graph.num_layers + 1}_{graph.logit_token_ids[0]}_{q}"
+    if ns["jstd"].viewer.find_chromium():
+        shot = np.asarray(Image.open(ns["folder"] / "induction-graph-viewer.png").convert("L"))
+        assert shot.shape == (700, 1400) and (shot < 128).mean() > 0.005
 
 
 CHECKS = {"An induction circuit in an attribution graph": induction_graph}
