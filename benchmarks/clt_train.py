@@ -12,14 +12,16 @@ the values).
 
     python benchmarks/clt_train.py [--repeats 5] [--tiny]
 
-Default size: 8 blocks, 512 wide, 4096 features per block (32,768 in all), batch 1024.
+Default size: 8 blocks, 512 wide, 4096 features per block (32,768 in all), batch 1024. The update is bound by its
+matrix products (about 530 GFLOP a step at the default size, printed with each side's rate): neither side can go
+faster than the CPU's float32 matrix-product rate, so the ratio is at most the torch loop's overhead beyond them.
 """
 
 from __future__ import annotations
 
 import time
 
-from common import print_table, repeats_parser, time_interleaved, versions
+from common import jstd_steps, print_table, repeats_parser, time_interleaved, torch_adam_steps, versions
 
 SIZES = {"default": dict(L=8, d=512, F=4096, B=1024), "tiny": dict(L=2, d=32, F=64, B=64)}
 LAMBDA, C, LR = 1e-3, 1.0, 1e-3
@@ -36,18 +38,8 @@ def jstd_update(x, y, L, F, steps):
     optimizer = default_optimizer(LR)  # train_clt's default: clip to global norm 1, then Adam
     settings = Settings("relu", None, LAMBDA, C, 0.0, 0.05, 10 ** 9)
     state = State(tc, optimizer.init(tc), jnp.zeros((L, F)), jnp.zeros(L), jnp.zeros(()), jnp.zeros(()))
-    step = _compiled(optimizer, settings)[0]
-    batch = (jnp.asarray(x), jnp.asarray(y))
-    box = {"state": state}
-
-    def run():
-        st = box["state"]
-        for _ in range(steps):
-            st, metrics = step(st, batch)
-        jax.block_until_ready(metrics["loss"])
-        box["state"] = st
-
-    return run, tc
+    step = _compiled(optimizer, settings)[0]  # the update train_clt runs between logged steps
+    return jstd_steps(step, state, (jnp.asarray(x), jnp.asarray(y)), steps), tc
 
 
 def torch_update(tc, x, y, steps):
@@ -59,34 +51,26 @@ def torch_update(tc, x, y, steps):
     param = lambda a: torch.nn.Parameter(torch.from_numpy(np.array(a, np.float32)))
     W_enc, b_enc, b_dec = param(tc.W_enc), param(tc.b_enc), param(tc.b_dec)
     W_dec = [param(w) for w in tc.W_dec]  # [F, L - l, d]
-    params = [W_enc, b_enc, *W_dec, b_dec]
-    opt = torch.optim.Adam(params, lr=LR)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)  # [L, B, d]
     B, d = xt.shape[1], xt.shape[2]
     since = torch.zeros(L, F)
 
-    def run():
-        for _ in range(steps):
-            acts = torch.relu(torch.einsum("lbd,lfd->lbf", xt, W_enc) + b_enc[:, None, :])
-            recon = [b_dec[lo].expand(B, d) for lo in range(L)]
-            for l in range(L):
-                part = (acts[l] @ W_dec[l].reshape(F, -1)).reshape(B, L - l, d)
-                for k in range(L - l):
-                    recon[l + k] = recon[l + k] + part[:, k]
-            mse = sum(((r - yt[lo]) ** 2).sum() for lo, r in enumerate(recon)) / B
-            norms = torch.stack([w.pow(2).sum((1, 2)).sqrt() for w in W_dec])[:, None, :]
-            loss = mse + LAMBDA * torch.tanh(C * norms * acts).sum() / B
-            with torch.no_grad():
-                fired = acts.sum(1) > 0
-                since.add_(B)
-                since[fired] = 0
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad()
-        return float(loss.detach())
+    def loss_fn():
+        acts = torch.relu(torch.einsum("lbd,lfd->lbf", xt, W_enc) + b_enc[:, None, :])
+        recon = [b_dec[lo].expand(B, d) for lo in range(L)]
+        for l in range(L):
+            part = (acts[l] @ W_dec[l].reshape(F, -1)).reshape(B, L - l, d)
+            for k in range(L - l):
+                recon[l + k] = recon[l + k] + part[:, k]
+        mse = sum(((r - yt[lo]) ** 2).sum() for lo, r in enumerate(recon)) / B
+        norms = torch.stack([w.pow(2).sum((1, 2)).sqrt() for w in W_dec])[:, None, :]
+        with torch.no_grad():
+            fired = acts.sum(1) > 0
+            since.add_(B)
+            since[fired] = 0
+        return mse + LAMBDA * torch.tanh(C * norms * acts).sum() / B
 
-    return run
+    return torch_adam_steps([W_enc, b_enc, *W_dec, b_dec], loss_fn, LR, steps)
 
 
 def main():
@@ -103,11 +87,15 @@ def main():
     jstd_run, tc = jstd_update(x, y, L, F, steps)
     t = time_interleaved({"jstd": jstd_run, "torch": torch_update(tc, x, y, steps)}, args.repeats)
     per = {k: (v[0] / steps, v[1] / steps) for k, v in t.items()}
+    # the products an update cannot skip: the encoder forward and its weight gradient, and each decoder's forward,
+    # weight gradient and gradient to the activations (no gradient to the inputs); the rest is elementwise
+    gflop = 2 * B * (2 * L * F * d + 3 * F * d * L * (L + 1) // 2) / 1e9
     rows = [(f"CLT training throughput, train_clt's update / a torch loop of the same update ({L} blocks, {d} wide, "
              f"{F} features a block, batch {B}, ReLU, tanh decoder-norm sparsity, clip + Adam)",
              f"{per['torch'][0] / per['jstd'][0]:.2f}x",
              f"jstd {B / per['jstd'][0]:,.0f} tokens/s, torch {B / per['torch'][0]:,.0f} tokens/s (median; best "
-             f"{per['torch'][1] / per['jstd'][1]:.2f}x)")]
+             f"{per['torch'][1] / per['jstd'][1]:.2f}x); {gflop:.3g} GFLOP of matrix products a step: jstd "
+             f"{gflop / per['jstd'][0]:.3g} GFLOP/s, torch {gflop / per['torch'][0]:.3g} GFLOP/s")]
     print_table(versions() + f"; {time.time() - t0:.0f} s", rows)
 
 

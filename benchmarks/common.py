@@ -53,6 +53,43 @@ def time_interleaved(runs: dict, reps: int) -> dict:
     return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
 
 
+def jstd_steps(step, state, batch, steps: int):
+    """A callable running ``steps`` updates of a compiled training step ``step(state, batch) -> (state, metrics)``
+    (the state donated: each call continues from the last), blocked on the last loss."""
+    import jax
+
+    box = {"state": state}
+
+    def run():
+        st = box["state"]
+        for _ in range(steps):
+            st, metrics = step(st, batch)
+        jax.block_until_ready(metrics["loss"])
+        box["state"] = st
+
+    return run
+
+
+def torch_adam_steps(params, loss_fn, lr: float, steps: int):
+    """A callable running ``steps`` updates of SAELens' update in torch (what ``jstd.sae.train`` and
+    ``jstd.circuits.train_clt`` run by default): ``loss_fn()`` (the forward and any bookkeeping, returning the
+    loss), backward, the gradient clipped to global norm 1 (``clip_grad_norm_``), ``torch.optim.Adam(lr)``."""
+    import torch
+
+    opt = torch.optim.Adam(params, lr=lr)
+
+    def run():
+        for _ in range(steps):
+            loss = loss_fn()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad()
+        return float(loss.detach())
+
+    return run
+
+
 def compare(torch_forward, jstd_forward, reads, repeats: int) -> dict:
     """The torch reference against jstd, both already built: ``torch_forward()`` returns the reference's output
     (a tensor), ``jstd_forward(reads)`` the blocked ``jax.jit(jstd.run)`` Outputs reading ``reads`` (``()``: the

@@ -20,7 +20,8 @@ from __future__ import annotations
 import time
 
 import common
-from common import print_table, repeats_parser, text_checkpoint, time_interleaved, versions
+from common import (jstd_steps, print_table, repeats_parser, text_checkpoint, time_interleaved, torch_adam_steps,
+                    versions)
 from forward import SIZE, llama_config
 
 D_SAE = 16 * SIZE["hidden_size"]
@@ -83,22 +84,14 @@ def training(folder, tokens, repeats, steps=3):
     settings = Settings("standard", None, 5.0, 0.0, 0.05, H // 2, 0.0, 10**9)
     state = State(sae, optimizer.init(sae), jnp.zeros(D_SAE), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
     step = _compiled(optimizer, settings)[0]  # the update train runs between logged steps
-    xj = jnp.asarray(x)
-    box = {"state": state}
-
-    def jstd_steps():
-        st = box["state"]
-        for _ in range(steps):
-            st, metrics = step(st, xj)
-        jax.block_until_ready(metrics["loss"])
-        box["state"] = st
+    jstd_run = jstd_steps(step, state, jnp.asarray(x), steps)
 
     xt = torch.from_numpy(x)
     try:
         torch_steps, side = saelens_steps(xt, steps), f"SAELens {__import__('sae_lens').__version__}'s SAETrainer.step"
     except ImportError:
         torch_steps, side = faithful_steps(sae, xt, steps), "a torch loop of SAELens' update (sae-lens not installed)"
-    t = time_interleaved({"jstd": jstd_steps, "torch": torch_steps}, repeats)
+    t = time_interleaved({"jstd": jstd_run, "torch": torch_steps}, repeats)
     return {k: (v[0] / steps, v[1] / steps) for k, v in t.items()}, len(x), side
 
 
@@ -134,26 +127,19 @@ def faithful_steps(sae, xt, steps):
     W_enc = torch.nn.Parameter(torch.from_numpy(np.array(sae.W_enc)))
     b_enc = torch.nn.Parameter(torch.zeros(D_SAE))
     b_dec = torch.nn.Parameter(torch.zeros(H))
-    params = [W_enc, b_enc, W_dec, b_dec]
-    opt = torch.optim.Adam(params, lr=4e-4)
     since, freq = torch.zeros(D_SAE), torch.zeros(D_SAE)
 
-    def run():
-        for _ in range(steps):
-            acts = torch.relu((xt - b_dec) @ W_enc + b_enc)
-            out = acts @ W_dec + b_dec
-            loss = (out - xt).pow(2).sum(-1).mean() + 5.0 * (acts * W_dec.norm(dim=1)).norm(p=1, dim=-1).mean()
-            with torch.no_grad():
-                firing = acts.bool().float()
-                since.add_(1)
-                since[firing.sum(-2).bool()] = 0
-                freq.add_(firing.sum(0))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad()
-        return float(loss.detach())
-    return run
+    def loss_fn():
+        acts = torch.relu((xt - b_dec) @ W_enc + b_enc)
+        out = acts @ W_dec + b_dec
+        with torch.no_grad():
+            firing = acts.bool().float()
+            since.add_(1)
+            since[firing.sum(-2).bool()] = 0
+            freq.add_(firing.sum(0))
+        return (out - xt).pow(2).sum(-1).mean() + 5.0 * (acts * W_dec.norm(dim=1)).norm(p=1, dim=-1).mean()
+
+    return torch_adam_steps([W_enc, b_enc, W_dec, b_dec], loss_fn, 4e-4, steps)
 
 
 def main():

@@ -33,7 +33,7 @@ from jstd.core.sites import SITES, Site, SiteError
 from jstd.collect import ActivationDataset, SparseRows, collect
 from jstd import sae  # noqa: F401 (jstd.sae: sparse autoencoders and transcoders)
 from jstd.sae import splice
-from jstd.viewer import view
+from jstd.circuits import view  # a Graph, or a graph JSON (jstd.viewer.view)
 from jstd import circuits  # noqa: F401 (jstd.circuits: attribution graphs)
 from jstd.circuits import attribute
 __all__ = [

@@ -40,5 +40,40 @@ def test_recipes_exist():
 
 @pytest.mark.parametrize("heading,code", RECIPE_BLOCKS, ids=[h for h, _ in RECIPE_BLOCKS])
 def test_recipe_runs(setup_namespace, heading, code, capsys):
-    exec(compile(code, f"{RECIPES}:{heading}", "exec"), dict(setup_namespace))
+    namespace = dict(setup_namespace)
+    exec(compile(code, f"{RECIPES}:{heading}", "exec"), namespace)
     assert capsys.readouterr().out  # every recipe shows its result
+    if heading in CHECKS:
+        CHECKS[heading](namespace)
+
+
+def induction_graph(ns):
+    """The induction recipe's claims, checked apart from its own asserts: the graph's top logit is the model's own
+    prediction and the copied word; the top path is the copied token's edge into it, no other source's share is
+    larger, and the path's numbers are the adjacency's; the figure and the page are written, the page pinning the
+    logit."""
+    import json
+    import re
+
+    import numpy as np
+
+    jstd, graph, path, prompt, q, period = (ns[k] for k in ("jstd", "graph", "path", "prompt", "q", "period"))
+    logits = np.asarray(jstd.run(ns["ind"], prompt[None]).logits)[0, -1]
+    assert graph.logit_token_ids[0] == np.argmax(logits) == prompt[q - period + 1]
+    source, logit = graph.token_start + q - period + 1, graph.logit_start
+    assert path.nodes == [source, logit]
+    row = np.abs(graph.adjacency[logit])
+    assert np.argmax(row) == source and path.shares[0] == pytest.approx(row[source] / row.sum(), rel=1e-5)
+    assert path.weights[0] == graph.adjacency[logit, source] > 0
+    from PIL import Image
+
+    png = np.asarray(Image.open(ns["folder"] / "induction-graph.png").convert("L"))
+    assert (png < 128).mean() > 0.005                                       # drawn, not blank
+    data = json.loads(re.search(r'id="page-data">(.*?)</script>', ns["page"].read_text(), re.S).group(1))
+    assert data["qParams"]["clickedId"] == f"{graph.num_layers + 1}_{graph.logit_token_ids[0]}_{q}"
+    if ns["jstd"].viewer.find_chromium():
+        shot = np.asarray(Image.open(ns["folder"] / "induction-graph-viewer.png").convert("L"))
+        assert shot.shape == (700, 1400) and (shot < 128).mean() > 0.005
+
+
+CHECKS = {"An induction circuit in an attribution graph": induction_graph}

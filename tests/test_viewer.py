@@ -217,6 +217,27 @@ def test_counts_and_prompt(browser, tmp_path):
 
 
 @needs_browser
+def test_a_jstd_graph_opens_pinned(browser, tmp_path):
+    """``jstd.view(graph)`` on a ``jstd.circuits.Graph``: the pruned graph's nodes and edges are drawn, the node
+    asked for is pinned when the page opens, and its paths to the logits are highlighted."""
+    import jstd
+    from test_circuits_display import random_graph
+
+    graph = random_graph(3)
+    path = jstd.circuits.top_path(graph, jstd.circuits.prune(graph))
+    page = jstd.view(graph, tmp_path / "g.html", pin=path.nodes[0])
+    data = inlined(page.read_text())
+    browser.open(page.resolve().as_uri())
+    browser.evaluate("new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)))")
+    state = dom_state(browser)
+    assert (state["nodes"], state["edges"]) == (len(data["nodes"]), len(data["links"]))
+    token = graph.node(path.nodes[0])
+    assert state["pinned"] == [f"E_{token[2]}_{token[1]}"]
+    want_nodes, want_links = paths_to_logits(data, state["pinned"][0], range(len(data["links"])))
+    assert set(state["onPathNodes"]) == want_nodes and set(state["onPath"]) == want_links
+
+
+@needs_browser
 def test_hover_shows_the_node(browser, tmp_path):
     graph = random_dag()
     show(browser, tmp_path, graph)
