@@ -16,6 +16,11 @@ up columns (``names["experts"] = "interleaved"``), split into gate then up at lo
 ``sparsemixer`` (``kernels.moe.sparsemixer``: transformers' inference path, two experts a token) and names its
 router ``router`` (``names["router"]``). The grouped product is ``kernels.moe.expert_outputs``: O(tokens · top_k) memory.
 
+``frozen_routing`` (static; ``jstd.nn.frozen``): the routing is held for gradients — the chosen experts (discrete
+anyway), their weights ``router_weights`` (as edited) and the shared expert's sigmoid gate — so a derivative sees
+each token's MLP as the fixed weighted sum ``Σ_k w_k · expert_k(x)`` of the prompt's experts (the forward is
+unchanged). This is the MoE's part of the local replacement model of attribution graphs (``docs/circuits.md``).
+
 Weights are stored input-major: ``router`` ``[embed, experts]``, ``gate_up`` ``[experts, embed, 2 · mlp]`` (each
 expert's gate columns, then its up columns: transformers 5's fused ``experts.gate_up_proj`` transposed), ``down``
 ``[experts, mlp, embed]``. Checkpoints spell the experts fused (transformers 5; Qwen3-VL-MoE's hub files store
@@ -65,6 +70,7 @@ class MoEMLP(eqx.Module):
     routing: str = eqx.field(static=True, default="softmax")
     jitter_eps: float = eqx.field(static=True, default=0.0)
     swiglu: tuple[float, float] | None = eqx.field(static=True, default=None)
+    frozen_routing: bool = eqx.field(static=True, default=False)
 
     @property
     def sites(self) -> tuple[str, ...]:
@@ -86,6 +92,8 @@ class MoEMLP(eqx.Module):
                                      np.float32 if self.weights_in_float32 else logits.dtype,
                                      self.routing == "top_k_softmax")
         weights = s("mlp.router_weights", weights)
+        if self.frozen_routing:
+            weights = jax.lax.stop_gradient(weights)
         indices = s("mlp.expert_indices", indices)
         outputs = expert_outputs(x.reshape(-1, embed), indices.reshape(-1, self.top_k), self.gate_up, self.down,
                                  self.act, gate_up_bias=self.gate_up_bias, down_bias=self.down_bias,
@@ -93,7 +101,9 @@ class MoEMLP(eqx.Module):
         outputs = s("mlp.expert_outputs", outputs.reshape(batch, seq, self.top_k, embed))
         y = combine(outputs, weights, indices)
         if self.shared is not None:
-            shared = s("mlp.shared_expert_output", jax.nn.sigmoid(x @ self.shared_gate) * self.shared(x, _Quiet()))
+            gate = jax.nn.sigmoid(x @ self.shared_gate)
+            gate = jax.lax.stop_gradient(gate) if self.frozen_routing else gate
+            shared = s("mlp.shared_expert_output", gate * self.shared(x, _Quiet()))
             y = y + shared
         return y
 
