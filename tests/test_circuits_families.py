@@ -12,7 +12,7 @@ added at its place (``h`` times it, in float64) and every target's input (a feat
 transcoder input, a logit's demeaned unembedding at the final norm's output) is read back:
 
 * ``(F(h·u) - F(-h·u)) / 2h`` equals the edge ``A[t, s]`` (the direct effect);
-* ``F(u) - F(0)`` equals it too: the frozen model is *linear* in its sources (no nonlinearity left unheld — an
+* ``(F(8·u) - F(0)) / 8`` equals it too: the frozen model is *linear* in its sources (no nonlinearity left unheld — an
   output gate or a DeltaNet β that were not held would fail here, though derivatives alone would agree).
 """
 
@@ -34,6 +34,7 @@ from jstd.circuits.replacement import linearised, prompt_values
 FAMILIES = ("qwen3_moe", "qwen3_5_text-released", "olmo_hybrid-rotary_grouped", "hyperclovax-residual", "olmo2-1b",
             "gemma2-softcap", "gemma3_text-local", "gpt_neox-parallel", "gptj-6b", "phi-2", "gpt_oss")
 N_TOKENS = 6
+FAR = 8.0  # the linearity check's step: far outside any local linear regime of a nonlinearity left unheld
 H = 0.1  # the frozen model is affine, so the step only bounds rounding (jstd computes norms in float32)
 
 
@@ -129,10 +130,10 @@ def frozen_effects(model, tc, ids, sources, targets, monkeypatch):
     ``"e"`` (at the token embeddings); ``targets``: ``(block or L, position, vector [d])``."""
     L, n, d = tc.num_layers, len(ids), tc.d_out
     S = len(sources)
-    B = 1 + 3 * S  # row 0 the prompt; per source +u, +h·u, -h·u
+    B = 1 + 3 * S  # row 0 the prompt; per source +FAR·u, +h·u, -h·u
     d_y, d_e = np.zeros((L, B, n, d)), np.zeros((B, n, d))
     for i, (kind, layer, pos, u) in enumerate(sources):
-        for j, scale in enumerate((1.0, H, -H)):
+        for j, scale in enumerate((FAR, H, -H)):
             row = 1 + 3 * i + j
             if kind == "y":
                 d_y[layer, row, pos] = scale * u
@@ -146,7 +147,7 @@ def frozen_effects(model, tc, ids, sources, targets, monkeypatch):
     read = np.stack([np.einsum("bd,d->b", x[l, :, p] if l < L else final[:, p], v) for l, p, v in targets])  # [T, B]
     base = read[:, :1]
     plus, small, minus = read[:, 1::3], read[:, 2::3], read[:, 3::3]
-    return (small - minus) / (2 * H), plus - base
+    return (small - minus) / (2 * H), (plus - base) / FAR
 
 
 def graph_sources(graph, tc, values64, picks):
@@ -209,5 +210,61 @@ def test_edges_are_the_frozen_models_finite_differences(name, built, monkeypatch
     assert np.abs(want).max() > 1e-3  # edges that are there
     err_d = np.abs(derivative - want) / scale
     err_l = np.abs(difference - want) / scale
-    assert err_d.max() <= 1e-4, (name, err_d.max())
-    assert err_l.max() <= 1e-4, (name, err_l.max())
+    assert err_l.max() <= 2e-5, (name, "the frozen model is not linear in its sources", err_l.max())
+    assert err_d.max() <= 2e-5, (name, "edges differ from the frozen model's finite differences", err_d.max())
+
+
+class Quiet:
+    """Taps that serve nothing and return ``held[site]`` where given (a layer called alone, some values held)."""
+
+    def __init__(self, **held):
+        self.held = {f"mlp.{k}": v for k, v in held.items()}
+        self.seen = {}
+
+    def __call__(self, site, value):
+        self.seen[site] = value
+        return self.held.get(site, value)
+
+    def touches(self, *sites):
+        return False
+
+
+def test_frozen_routing_is_a_fixed_weighted_sum_of_experts(built):
+    """A frozen MoE MLP (Qwen2-MoE: top-k experts and a gated shared expert) differentiates as ``Σ_k w_k ·
+    expert_k(x) + g · shared(x)`` with the router's weights and choices ``w`` and the shared gate ``g`` held at the
+    prompt's: its forward-mode derivative equals the finite differences (float64) of that sum, built from the
+    experts with the prompt's weights and choices substituted; unfrozen, the derivative also moves the weights, and
+    differs."""
+    import dataclasses
+
+    from jstd.nn.frozen import frozen
+    from jstd.nn.moe import MoEMLP
+
+    model = built("qwen2_moe")
+    mlp = jax.tree.map(lambda a: a[0], model.layers.slots[0].mlp)  # block 0's
+    assert isinstance(mlp, MoEMLP) and mlp.shared is not None
+    held_mlp = frozen(mlp)
+    assert held_mlp.frozen_routing and not frozen(mlp, routing=False).frozen_routing
+    rng = np.random.default_rng(1)
+    d = mlp.router.shape[0]
+    with jax.enable_x64(True):
+        mlp64, held64 = to64(mlp), to64(held_mlp)
+        routed = dataclasses.replace(mlp64, shared=None, shared_gate=None)
+        x = jnp.asarray(rng.normal(size=(1, 5, d)))
+        dx = jnp.asarray(rng.normal(size=(1, 5, d)))
+        taps = Quiet()
+        mlp64(x, taps)
+        w, i = taps.seen["mlp.router_weights"], taps.seen["mlp.expert_indices"]
+        g = jax.nn.sigmoid(x @ mlp64.shared_gate)
+
+        def brute(x):
+            return routed(x, Quiet(router_weights=w, expert_indices=i)) + g * mlp64.shared(x, Quiet())
+
+        np.testing.assert_allclose(np.asarray(brute(x)), np.asarray(mlp64(x, Quiet())), rtol=1e-12, atol=1e-12)
+        h = 1e-4
+        fd = np.asarray((brute(x + h * dx) - brute(x - h * dx)) / (2 * h))
+        _, held_jvp = jax.jvp(lambda x: held64(x, Quiet()), (x,), (dx,))
+        _, free_jvp = jax.jvp(lambda x: mlp64(x, Quiet()), (x,), (dx,))
+    scale = np.abs(fd).max()
+    np.testing.assert_allclose(np.asarray(held_jvp), fd, atol=1e-7 * scale)
+    assert np.abs(np.asarray(free_jvp) - fd).max() > 1e-3 * scale  # the routing's own derivative is left out
