@@ -29,9 +29,10 @@ from jstd.circuits import Transcoders
 from jstd.circuits.replacement import linearised, prompt_values
 
 # one case per block shape (tests/families.py): MoE, gated DeltaNet + gated attention (Qwen3.5), DeltaNet + post-
-# normed attention (OLMo-Hybrid), post-norms and multipliers (HyperCLOVA X, OLMo-2, Gemma 2 with its soft-caps,
-# Gemma 3), parallel blocks (GPT-NeoX's two norms, GPT-J's and Phi's one), attention sinks and a biased router (gpt-oss)
-FAMILIES = ("qwen3_moe", "qwen3_5_text-released", "olmo_hybrid-rotary_grouped", "hyperclovax-residual", "olmo2-1b",
+# normed attention (OLMo-Hybrid, whose attention blocks are OLMo-2/3's: post-norms only, whole-projection q/k norms),
+# post-norms and multipliers (HyperCLOVA X, Gemma 2 with its soft-caps, Gemma 3), parallel blocks (GPT-NeoX's two
+# norms, GPT-J's and Phi's one), attention sinks and a biased router (gpt-oss)
+FAMILIES = ("qwen3_moe", "qwen3_5_text-released", "olmo_hybrid-rotary_grouped", "hyperclovax-residual",
             "gemma2-softcap", "gemma3_text-local", "gpt_neox-parallel", "gptj-6b", "phi-2", "gpt_oss")
 N_TOKENS = 6
 FAR = 8.0  # the linearity check's step: far outside any local linear regime of a nonlinearity left unheld

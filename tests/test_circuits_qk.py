@@ -86,14 +86,29 @@ def test_source_vectors_and_bias_are_forward_mode_derivatives(case):
     assert np.abs(bq).max() > 1e-3  # the bias is there (b_dec is not zero)
 
 
+def crossing_edge(graph):
+    """The largest edge from a block-0 feature to a block-1 feature at a later position: every path crosses block
+    1's attention."""
+    active, A = graph.active_features[graph.selected_features], graph.adjacency
+    pairs = [(t, s) for t in range(graph.n_features) for s in range(graph.n_features)
+             if active[t, 0] == 1 and active[s, 0] == 0 and active[s, 1] < active[t, 1] and abs(A[t, s]) > 1e-3]
+    return max(pairs, key=lambda ts: abs(A[ts]))
+
+
+def json_feature_link(graph, data):
+    """A link of the frontend JSON ``data`` between two features, and its ``(target, source)`` graph nodes."""
+    kinds = {n["node_id"]: n for n in data["nodes"]}
+    link = next(e for e in data["links"] if kinds[e["source"]]["feature_type"] == kinds[e["target"]]["feature_type"]
+                == "cross layer transcoder")
+    node = lambda n: graph.feature_node(int(n["layer"]), n["ctx_idx"], int(n["node_id"].split("_")[1]))
+    return link, node(kinds[link["target"]]), node(kinds[link["source"]])
+
+
 def test_head_loadings_sum_to_the_edge(case):
     model, tc, graph = case
     active = graph.active_features[graph.selected_features]
     A = graph.adjacency
-    # a block-1 feature and a block-0 feature at an earlier position: every path crosses block 1's attention
-    pairs = [(t, s) for t in range(graph.n_features) for s in range(graph.n_features)
-             if active[t, 0] == 1 and active[s, 0] == 0 and active[s, 1] < active[t, 1] and abs(A[t, s]) > 1e-3]
-    t, s = max(pairs, key=lambda ts: abs(A[ts]))
+    t, s = crossing_edge(graph)
     loads = head_loadings(model, graph, tc, t, s)
     assert loads.shape == (2, 4)
     assert np.abs(loads[0]).max() < 1e-6 * abs(A[t, s])  # block 0's attention comes before the source writes
@@ -107,11 +122,7 @@ def test_head_loadings_sum_to_the_edge(case):
         head_loadings(model, graph, tc, graph.token_start, s)
 
     data = frontend_json(graph, "qk-test", node_threshold=1.0, edge_threshold=1.0, scan="local/random-clt")
-    kinds = {n["node_id"]: n for n in data["nodes"]}
-    link = next(e for e in data["links"] if kinds[e["source"]]["feature_type"] == kinds[e["target"]]["feature_type"]
-                == "cross layer transcoder")
-    node = lambda n: graph.feature_node(int(n["layer"]), n["ctx_idx"], int(n["node_id"].split("_")[1]))
-    t2, s2 = node(kinds[link["target"]]), node(kinds[link["source"]])
+    link, t2, s2 = json_feature_link(graph, data)
     loads2 = head_loadings(model, graph, tc, t2, s2)
     qk = qk_attribution(model, graph, tc, layer=1, head=2, query_pos=8, key_pos=5)
     data = graph_json_extras(data, graph, [qk], {(t2, s2): loads2, (t, s): loads}, top=5)
@@ -192,18 +203,11 @@ def test_qk_in_the_graph_saved_loaded_and_in_the_json(case, tmp_path):
     from jstd.circuits.qk import _node_id
 
     model, tc, graph = case
-    active = graph.active_features[graph.selected_features]
     A = graph.adjacency
-    pairs = [(t, s) for t in range(graph.n_features) for s in range(graph.n_features)
-             if active[t, 0] == 1 and active[s, 0] == 0 and active[s, 1] < active[t, 1] and abs(A[t, s]) > 1e-3]
-    t, s = max(pairs, key=lambda ts: abs(A[ts]))
+    t, s = crossing_edge(graph)
     # and an edge the pruned JSON keeps, between two features
     plain = frontend_json(graph, "qk-graph", node_threshold=1.0, edge_threshold=1.0, scan="local/random-clt")
-    kinds = {n["node_id"]: n for n in plain["nodes"]}
-    link = next(e for e in plain["links"] if kinds[e["source"]]["feature_type"] == kinds[e["target"]]["feature_type"]
-                == "cross layer transcoder")
-    node = lambda n: graph.feature_node(int(n["layer"]), n["ctx_idx"], int(n["node_id"].split("_")[1]))
-    t2, s2 = node(kinds[link["target"]]), node(kinds[link["source"]])
+    _, t2, s2 = json_feature_link(graph, plain)
     asked = [(1, 2, 8, 5), (0, 1, 6, 2), (1, 3, 8, 8)]
     g = qk_graph(model, graph, tc, heads=asked, loadings=[(t, s), (t2, s2)])
     assert graph.qk is None and g.adjacency is graph.adjacency
