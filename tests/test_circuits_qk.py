@@ -86,14 +86,29 @@ def test_source_vectors_and_bias_are_forward_mode_derivatives(case):
     assert np.abs(bq).max() > 1e-3  # the bias is there (b_dec is not zero)
 
 
+def crossing_edge(graph):
+    """The largest edge from a block-0 feature to a block-1 feature at a later position: every path crosses block
+    1's attention."""
+    active, A = graph.active_features[graph.selected_features], graph.adjacency
+    pairs = [(t, s) for t in range(graph.n_features) for s in range(graph.n_features)
+             if active[t, 0] == 1 and active[s, 0] == 0 and active[s, 1] < active[t, 1] and abs(A[t, s]) > 1e-3]
+    return max(pairs, key=lambda ts: abs(A[ts]))
+
+
+def json_feature_link(graph, data):
+    """A link of the frontend JSON ``data`` between two features, and its ``(target, source)`` graph nodes."""
+    kinds = {n["node_id"]: n for n in data["nodes"]}
+    link = next(e for e in data["links"] if kinds[e["source"]]["feature_type"] == kinds[e["target"]]["feature_type"]
+                == "cross layer transcoder")
+    node = lambda n: graph.feature_node(int(n["layer"]), n["ctx_idx"], int(n["node_id"].split("_")[1]))
+    return link, node(kinds[link["target"]]), node(kinds[link["source"]])
+
+
 def test_head_loadings_sum_to_the_edge(case):
     model, tc, graph = case
     active = graph.active_features[graph.selected_features]
     A = graph.adjacency
-    # a block-1 feature and a block-0 feature at an earlier position: every path crosses block 1's attention
-    pairs = [(t, s) for t in range(graph.n_features) for s in range(graph.n_features)
-             if active[t, 0] == 1 and active[s, 0] == 0 and active[s, 1] < active[t, 1] and abs(A[t, s]) > 1e-3]
-    t, s = max(pairs, key=lambda ts: abs(A[ts]))
+    t, s = crossing_edge(graph)
     loads = head_loadings(model, graph, tc, t, s)
     assert loads.shape == (2, 4)
     assert np.abs(loads[0]).max() < 1e-6 * abs(A[t, s])  # block 0's attention comes before the source writes
@@ -107,11 +122,7 @@ def test_head_loadings_sum_to_the_edge(case):
         head_loadings(model, graph, tc, graph.token_start, s)
 
     data = frontend_json(graph, "qk-test", node_threshold=1.0, edge_threshold=1.0, scan="local/random-clt")
-    kinds = {n["node_id"]: n for n in data["nodes"]}
-    link = next(e for e in data["links"] if kinds[e["source"]]["feature_type"] == kinds[e["target"]]["feature_type"]
-                == "cross layer transcoder")
-    node = lambda n: graph.feature_node(int(n["layer"]), n["ctx_idx"], int(n["node_id"].split("_")[1]))
-    t2, s2 = node(kinds[link["target"]]), node(kinds[link["source"]])
+    link, t2, s2 = json_feature_link(graph, data)
     loads2 = head_loadings(model, graph, tc, t2, s2)
     qk = qk_attribution(model, graph, tc, layer=1, head=2, query_pos=8, key_pos=5)
     data = graph_json_extras(data, graph, [qk], {(t2, s2): loads2, (t, s): loads}, top=5)
@@ -181,3 +192,64 @@ def test_grouped_query_heads_and_a_skip(tmp_path):
     g_ids = json.loads((gemma / "case.json").read_text())["prompt_ids_given"]
     with pytest.raises(ValueError, match="soft-caps"):
         qk_attribution(g_model, jstd.attribute(g_model, g_ids, g_tc), g_tc, layer=0, head=0, query_pos=2, key_pos=1)
+
+
+def test_qk_in_the_graph_saved_loaded_and_in_the_json(case, tmp_path):
+    """``qk_graph`` attaches QK attributions and head loadings to a graph: each head's terms sum to the forward's
+    own score (rel err <= 1e-5) and so do each side's per-source totals, the loadings of a block-1 feature's edge
+    from an earlier block-0 feature sum to the edge; a save / load round trip keeps them exactly; the frontend JSON
+    carries them (nodes' parts, links' loadings)."""
+    from jstd.circuits import Graph, qk_graph
+    from jstd.circuits.qk import _node_id
+
+    model, tc, graph = case
+    A = graph.adjacency
+    t, s = crossing_edge(graph)
+    # and an edge the pruned JSON keeps, between two features
+    plain = frontend_json(graph, "qk-graph", node_threshold=1.0, edge_threshold=1.0, scan="local/random-clt")
+    _, t2, s2 = json_feature_link(graph, plain)
+    asked = [(1, 2, 8, 5), (0, 1, 6, 2), (1, 3, 8, 8)]
+    g = qk_graph(model, graph, tc, heads=asked, loadings=[(t, s), (t2, s2)])
+    assert graph.qk is None and g.adjacency is graph.adjacency
+    scores = jstd.run(model, jnp.asarray(graph.input_tokens[None], jnp.int32),
+                      reads=("layers.self_attn.attention_scores",))["layers.self_attn.attention_scores"]
+    for a, (layer, head, qp, kp) in zip(g.qk.attributions, asked):
+        assert (a.layer, a.head, a.query_pos, a.key_pos) == (layer, head, qp, kp)
+        want = float(scores[layer, 0, head, qp, kp])
+        for total in (a.terms.sum(), a.query_totals.sum(), a.key_totals.sum()):
+            assert abs(total - want) <= 1e-5 * max(abs(want), 1.0), (layer, head, total, want)
+    loads = g.qk.loadings[t, s]
+    assert loads.shape == (2, 4) and abs(loads[1].sum() - A[t, s]) <= 1e-4 * abs(A[t, s])
+    again = qk_graph(model, g, tc, heads=[asked[0]])  # asked again: replaced, not duplicated
+    assert len(again.qk.attributions) == 3 and set(again.qk.loadings) == {(t, s), (t2, s2)}
+    with pytest.raises(ValueError, match="query_pos, key_pos"):
+        qk_graph(model, graph, tc, heads=[(1, 2)])
+
+    back = Graph.load(g.save(tmp_path / "g"))
+    assert len(back.qk.attributions) == 3 and set(back.qk.loadings) == {(t, s), (t2, s2)}
+    for a, b in zip(g.qk.attributions, back.qk.attributions):
+        assert (a.layer, a.head, a.query_pos, a.key_pos, a.score, a.scale) == (b.layer, b.head, b.query_pos,
+                                                                                b.key_pos, b.score, b.scale)
+        for k in ("terms", "query_vectors", "key_vectors"):
+            np.testing.assert_array_equal(getattr(a, k), getattr(b, k))
+    np.testing.assert_array_equal(back.qk.loadings[t, s], loads)
+    np.testing.assert_array_equal(back.adjacency, graph.adjacency)
+    assert Graph.load(graph.save(tmp_path / "g")).qk is None  # saved without: the old QK files are gone
+
+    data = frontend_json(back, "qk-graph", node_threshold=1.0, edge_threshold=1.0, scan="local/random-clt")
+    assert [(q["layer"], q["head"], q["query_pos"], q["key_pos"]) for q in data["qk"]] == asked
+    errors = {(n["layer"], n["ctx_idx"]): n["node_id"] for n in data["nodes"]
+              if n["feature_type"] == "mlp reconstruction error"}
+    index = {_node_id(back, i, errors): i for i in range(back.logit_start)}
+    with_parts = [n for n in data["nodes"] if "qk" in n]
+    assert with_parts
+    for n in with_parts:
+        for part in n["qk"]:
+            a = back.qk.attributions[part["qk"]]
+            i = index[n["node_id"]]
+            assert part["query"] == float(a.query_totals[i]) and part["key"] == float(a.key_totals[i])
+    link = [e for e in data["links"] if (e["target"], e["source"]) == (_node_id(back, t2, errors),
+                                                                       _node_id(back, s2, errors))]
+    assert link and link[0]["head_loadings"] == back.qk.loadings[t2, s2].tolist()
+    assert sum("head_loadings" in e for e in data["links"]) == 1 + any(
+        (e["target"], e["source"]) == (_node_id(back, t, errors), _node_id(back, s, errors)) for e in data["links"])

@@ -11,7 +11,7 @@ from jstd.circuits.graph import Graph
 from jstd.circuits.interventions import frozen_effect, intervene
 from jstd.circuits.paths import GraphPath, top_path
 from jstd.circuits.prune import Pruned, graph_scores, prune
-from jstd.circuits.qk import QK, graph_json_extras, head_loadings, qk_attribution
+from jstd.circuits.qk import QK, QKGraph, graph_json_extras, head_loadings, qk_attribution, qk_graph
 from jstd.circuits.sweep import EdgeTable, aggregate_edges, node_keys
 from jstd.circuits.train import TrainedCLT, train_clt
 from jstd.circuits.transcoders import Transcoders
@@ -20,4 +20,5 @@ from jstd.circuits.display import plot_graph, view
 __all__ = ["Transcoders", "load_transcoders", "save_transcoders", "find_transcoders", "from_saes", "attribute",
            "prompt_tokens", "Graph", "prune", "Pruned", "graph_scores", "frontend_json", "write_frontend",
            "intervene", "frozen_effect", "train_clt", "TrainedCLT", "qk_attribution", "QK", "head_loadings",
-           "graph_json_extras", "aggregate_edges", "EdgeTable", "node_keys", "top_path", "GraphPath", "view", "plot_graph"]
+           "qk_graph", "QKGraph", "graph_json_extras", "aggregate_edges", "EdgeTable", "node_keys", "top_path", "GraphPath",
+           "view", "plot_graph"]

@@ -5,7 +5,10 @@ Node ids are circuit-tracer's — feature ``{layer}_{feature}_{pos}``, token ``E
 ``{L+1}_{id}_{n-1}`` — except errors: circuit-tracer names error ``(l, p)`` ``0_{l}_{p}``, which is also the id of
 feature ``l`` of block 0 at position ``p`` (both can be in one graph, and the links then cannot tell them apart).
 jstd names errors ``{l}_error_{p}`` (never a feature's id: feature ids are numbers); ``circuit_tracer_ids=True``
-writes circuit-tracer's ids, collisions included. Every other field is as circuit-tracer writes it.
+writes circuit-tracer's ids, collisions included. Every other field is as circuit-tracer writes it. A graph with
+QK attributions or head loadings (``Graph.qk``, ``jstd.circuits.qk_graph``) adds them as extra data
+(``jstd.circuits.qk.graph_json_extras``: a top-level ``qk``, ``qk`` on nodes, ``head_loadings`` on links), which
+circuit-tracer's frontend ignores.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 
 from jstd.circuits.graph import Graph
 from jstd.circuits.prune import prune
+from jstd.circuits.qk import graph_json_extras
 from jstd.io.staging import atomic
 
 
@@ -72,7 +76,10 @@ def frontend_json(graph: Graph, slug: str, *, node_threshold: float = 0.8, edge_
     metadata = {"slug": slug, "scan": scan, "transcoder_list": [], "prompt_tokens": list(graph.prompt_tokens),
                 "prompt": graph.input_string, "node_threshold": node_threshold, "schema_version": 1}
     qparams = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "", "sg_pos": ""}
-    return {"metadata": metadata, "qParams": qparams, "nodes": used, "links": links}
+    data = {"metadata": metadata, "qParams": qparams, "nodes": used, "links": links}
+    if graph.qk is not None:  # QK attributions and head loadings (jstd.circuits.qk_graph) as extra data
+        graph_json_extras(data, graph, graph.qk.attributions, graph.qk.loadings)
+    return data
 
 
 def write_frontend(graph: Graph, slug: str, folder: str | os.PathLike, **kwargs) -> Path:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jstd.circuits.qk_data import QKGraph
 from jstd.io.safetensors import SafetensorsFiles, write_tensors
 from jstd.io.staging import atomic
 
@@ -57,6 +58,7 @@ class Graph:
     scan: str | None = None
     input_string: str | None = None
     prompt_tokens: list[str] | None = None
+    qk: QKGraph | None = None  # QK attributions and head loadings (jstd.circuits.qk_graph), saved beside the graph
 
     # ---- node bookkeeping --------------------------------------------------------------------------------------
     @property
@@ -120,6 +122,10 @@ class Graph:
             write_tensors(fh, {k: np.ascontiguousarray(getattr(self, k)) for k in ARRAYS})
         with atomic(folder / META_FILE, "w") as fh:
             json.dump({k: getattr(self, k) for k in META}, fh, indent=1)
+        if self.qk is not None:
+            self.qk.save(folder)
+        else:
+            QKGraph.remove(folder)
         return folder
 
     @classmethod
@@ -132,4 +138,4 @@ class Graph:
         files = SafetensorsFiles(folder / GRAPH_FILE)
         arrays = {k: np.array(files.mapped(k, lazy=True)) for k in ARRAYS}
         meta = json.loads((folder / META_FILE).read_text())
-        return cls(**arrays, **{k: meta.get(k) for k in META})
+        return cls(**arrays, **{k: meta.get(k) for k in META}, qk=QKGraph.load(folder))

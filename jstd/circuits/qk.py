@@ -22,12 +22,16 @@ position; one backward from the target, one forward from the source). For each b
 the paths that skip that block's attention sum to the edge; an edge between positions ``p_s ≠ p_t`` has no path
 that skips every attention.
 
-``graph_json_extras`` adds both to the frontend JSON (``jstd.circuits.frontend_json``) as extra node and link data.
+``qk_graph`` computes both for the heads and edges asked for and attaches them to the graph (``Graph.qk``, a
+``QKGraph``: saved and loaded with it); ``frontend_json`` then adds them to the JSON as extra data
+(``graph_json_extras``): a top-level ``qk`` list, each node's part of each score (``qk`` on nodes) and each
+link's ``head_loadings``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +39,7 @@ import numpy as np
 
 from jstd.circuits.attribute import ZERO_POSITIONS
 from jstd.circuits.graph import Graph
+from jstd.circuits.qk_data import QK, QKGraph
 from jstd.circuits.replacement import SkipOnly, prompt_values
 from jstd.circuits.transcoders import Transcoders
 from jstd.core.edits import Add
@@ -45,34 +50,6 @@ from jstd.sae.splice import Source
 
 QUERIES, KEYS = "layers.self_attn.attention_queries", "layers.self_attn.attention_keys"
 HEADS = "layers.self_attn.attention_head_outputs"
-
-
-@dataclasses.dataclass
-class QK:
-    """The QK attribution of one head's score at (query, key) positions.
-
-    terms: ``[S + 1, S + 1]`` float64 (so that their sum is the score to float32 precision), ``terms[s, t] = scale · q_s · k_t``: rows the query-side sources, columns
-    the key-side ones, both in the graph's source order (``graph.node(i)`` for ``i < graph.logit_start``: features,
-    errors, tokens) then the bias (index ``S = graph.logit_start``). ``terms.sum() == score``.
-    query_vectors, key_vectors: ``[S + 1, head_dim]`` (``q_s``, ``k_t``; the last row the bias).
-    score: the model's score ``scale · q · k`` (before any soft-cap and the mask). scale: the head's scale.
-    """
-
-    layer: int
-    head: int
-    query_pos: int
-    key_pos: int
-    terms: np.ndarray
-    query_vectors: np.ndarray
-    key_vectors: np.ndarray
-    score: float
-    scale: float
-
-    def top(self, k: int = 10) -> list[tuple[int, int, float]]:
-        """The ``k`` largest terms by magnitude: ``(query source, key source, term)``."""
-        flat = np.argsort(-np.abs(self.terms).ravel(), kind="stable")[:k]
-        return [(int(i // self.terms.shape[1]), int(i % self.terms.shape[1]), float(self.terms.ravel()[i]))
-                for i in flat]
 
 
 def _attention(model) -> Attention:
@@ -204,11 +181,34 @@ def head_loadings(model, graph: Graph, transcoders: Transcoders, target: int, so
                      ).astype(np.float32)
 
 
+def qk_graph(model, graph: Graph, transcoders: Transcoders, *, heads: Sequence[tuple[int, int, int, int]] = (),
+             loadings: Sequence[tuple[int, int]] = ()) -> Graph:
+    """``graph`` with ``qk`` set (a copy; the graph's arrays shared): the QK attribution (``qk_attribution``) of
+    each ``(layer, head, query_pos, key_pos)`` in ``heads`` and the head loadings (``head_loadings``) of each
+    ``(target, source)`` edge (graph node indices) in ``loadings``, added to what ``graph.qk`` already holds (a
+    request asked again is computed again and replaces the old). The graph's own fields are unchanged. Raises
+    ValueError as ``qk_attribution`` and ``head_loadings`` do."""
+    old = graph.qk or QKGraph()
+    asked = [tuple(int(v) for v in h) for h in heads]
+    for h in asked:
+        if len(h) != 4:
+            raise ValueError(f"qk_graph: heads are (layer, head, query_pos, key_pos); got {h}")
+    new = [qk_attribution(model, graph, transcoders, layer=l, head=h, query_pos=q, key_pos=k) for l, h, q, k in asked]
+    kept = [a for a in old.attributions if (a.layer, a.head, a.query_pos, a.key_pos) not in set(asked)]
+    loads = dict(old.loadings)
+    for t, s in loadings:
+        loads[int(t), int(s)] = head_loadings(model, graph, transcoders, int(t), int(s))
+    return dataclasses.replace(graph, qk=QKGraph(kept + new, loads))
+
+
 def graph_json_extras(data: dict, graph: Graph, qk: list[QK] = (), loadings: dict | None = None, top: int = 20
                       ) -> dict:
     """``data`` (``jstd.circuits.frontend_json``'s dict) with QK attributions and head loadings added as extra
-    data: ``data["qk"]`` one entry per ``QK`` (``layer, head, query_pos, key_pos, score`` and its ``top`` terms as
-    ``{"query": node_id, "key": node_id, "value"}``, ``"bias"`` for the bias), and, for each ``(target, source)``
+    data: ``data["qk"]`` one entry per ``QK`` (``layer, head, query_pos, key_pos, score``, its ``top`` terms as
+    ``{"query": node_id, "key": node_id, "value"}`` with ``"bias"`` for the bias, and the bias's totals
+    ``{"query", "key"}``); each node of ``data`` that is a source of a ``QK`` gets ``"qk"``: ``[{"qk": index into
+    data["qk"], "query": its row's sum, "key": its column's sum}]`` (its part of the score through the query and
+    the key; the parts of every source and the bias sum, each side, to the score); and, for each ``(target, source)``
     of ``loadings`` (graph indices -> ``[L, heads]``), the matching link gets ``"head_loadings"`` (a list per block).
     Node ids are the JSON's own. Returns ``data`` (changed in place)."""
     errors = {(n["layer"], n["ctx_idx"]): n["node_id"] for n in data["nodes"]
@@ -216,7 +216,17 @@ def graph_json_extras(data: dict, graph: Graph, qk: list[QK] = (), loadings: dic
     names = [_node_id(graph, i, errors) for i in range(graph.logit_start)] + ["bias"]
     data["qk"] = [{"layer": a.layer, "head": a.head, "query_pos": a.query_pos, "key_pos": a.key_pos,
                    "score": a.score, "terms": [{"query": names[s], "key": names[t], "value": v}
-                                               for s, t, v in a.top(top)]} for a in qk]
+                                               for s, t, v in a.top(top)],
+                   "bias": {"query": float(a.query_totals[-1]), "key": float(a.key_totals[-1])}} for a in qk]
+    index = {name: i for i, name in enumerate(names[:-1])}
+    for node in data["nodes"]:
+        i = index.get(node["node_id"])
+        if i is None:
+            continue
+        parts = [{"qk": j, "query": float(a.query_totals[i]), "key": float(a.key_totals[i])} for j, a in enumerate(qk)
+                 if a.query_totals[i] != 0 or a.key_totals[i] != 0]
+        if parts:
+            node["qk"] = parts
     if loadings:
         by_pair = {(_node_id(graph, t, errors), _node_id(graph, s, errors)): np.asarray(v).tolist()
                    for (t, s), v in loadings.items()}

@@ -27,6 +27,15 @@ it), ``attention_head_outputs``
 float32 ``[batch, heads, key_dim, value_dim]``. When ``states`` is read,
 ``state_output`` is its last entry, so ``states[:, -1] == state_output``
 exactly.
+
+``frozen_pattern`` (static; ``jstd.nn.frozen``), the analogue of softmax attention's held probabilities: the
+mixer's *pattern* — everything but its values — is held for gradients: the queries and keys (after their
+convolution and SiLU, so their l2 norms too), the decays and betas, the output gate ``silu(x @ W_g)`` and (an
+``RMSNorm``, frozen with the others) the output norm's ``1 / rms``; on the value path the activation after the
+convolution is held as a gain, ``act(u) = u · (act(u) / u)`` with the ratio held. The delta rule is linear in the
+values once ``q, k, decay, beta`` are fixed, so a derivative then sees the mixer as a fixed linear map of its input
+along the values (``x @ W_v``, the convolution, the held gain, the recurrence, the held norm and gate, ``o_proj``).
+The forward is unchanged.
 """
 
 from __future__ import annotations
@@ -69,6 +78,16 @@ def causal_conv(x: Float[Array, "batch seq heads dim"], w: Float[Array, "width h
     return out.astype(x.dtype)
 
 
+def held_gain(act, u: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+    """``act(u)`` whose derivative is the held gain ``act(u) / u`` (``act'(0)`` where ``u == 0``): the forward value
+    is ``act(u)``; a derivative sees multiplication by a fixed diagonal (``sigmoid(u)`` for SiLU)."""
+    out = act(u)
+    nonzero = u != 0
+    at_zero = jax.grad(lambda z: act(z))(jnp.zeros((), jnp.float32)).astype(u.dtype)
+    ratio = jnp.where(nonzero, out / jnp.where(nonzero, u, 1), at_zero)
+    return jax.lax.stop_gradient(out) + (u - jax.lax.stop_gradient(u)) * jax.lax.stop_gradient(ratio)
+
+
 class HeadRMSNorm(RMSNorm):
     """An RMSNorm over each head's values (its weight's axis is ``value_dim``, not ``embed``)."""
 
@@ -102,6 +121,7 @@ class GatedDeltaNet(eqx.Module):
     act: str = eqx.field(static=True)
     allow_neg_eigval: bool = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True, default=32)  # the chunked kernel's fastest on CPU (docs/benchmarks.md)
+    frozen_pattern: bool = eqx.field(static=True, default=False)
 
     host: ClassVar[str] = "linear_attn"
     sites: ClassVar[tuple[str, ...]] = (
@@ -122,14 +142,16 @@ class GatedDeltaNet(eqx.Module):
         proj = flat_product  # x [batch, seq, embed] times w [embed, heads, dim]
         earlier = None if past is None else past[1].astype(x.dtype)
         conv = lambda w, c: causal_conv(proj(x, w), c, None if earlier is None else proj(earlier, w))
-        q = s(SITE + "attention_queries", act(conv(self.q, self.q_conv)))
-        k = s(SITE + "attention_keys", act(conv(self.k, self.k_conv)))
-        v = s(SITE + "attention_values", act(conv(self.v, self.v_conv)))
+        held = jax.lax.stop_gradient if self.frozen_pattern else (lambda a: a)
+        q = held(s(SITE + "attention_queries", act(conv(self.q, self.q_conv))))
+        k = held(s(SITE + "attention_keys", act(conv(self.k, self.k_conv))))
+        u = conv(self.v, self.v_conv)
+        v = s(SITE + "attention_values", held_gain(act, u) if self.frozen_pattern else act(u))
         a = jnp.einsum("bte,eh->bth", x, self.a).astype(jnp.float32)
         decay = -jnp.exp(self.A_log.astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias.astype(jnp.float32))
-        decay = s(SITE + "decays", decay)
+        decay = held(s(SITE + "decays", decay))
         beta = jax.nn.sigmoid(jnp.einsum("bte,eh->bth", x, self.b))
-        beta = s(SITE + "betas", beta * 2.0 if self.allow_neg_eigval else beta)
+        beta = held(s(SITE + "betas", beta * 2.0 if self.allow_neg_eigval else beta))
 
         batch, heads, key_dim, value_dim = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
         initial = None if past is None else past[0].astype(jnp.float32)
@@ -148,8 +170,8 @@ class GatedDeltaNet(eqx.Module):
         s(SITE + "state_output", final)  # read-only (jstd/core/sites.py): what a cache keeps; nothing downstream reads it
         y = s(SITE + "attention_head_outputs", y)
 
-        gate = proj(x, self.gate)
-        y = (self.o_norm(y).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(y.dtype)
+        gate = held(jax.nn.silu(proj(x, self.gate).astype(jnp.float32)))
+        y = (self.o_norm(y).astype(jnp.float32) * gate).astype(y.dtype)
         return flat_product(y, self.o, 2)
 
     def entries(self, names=None) -> list[Entry]:

@@ -40,7 +40,8 @@ class GatedAttention(Attention):
     The taps are ``Attention``'s: ``attention_head_outputs`` is the heads'
     output before the gate, ``attention_premix`` what ``o_proj`` receives (after
     it). ``gate`` ``[embed, heads, head_dim]`` (and ``gate_bias``) are the
-    second half of each head's ``q_proj`` rows.
+    second half of each head's ``q_proj`` rows. With ``frozen_pattern`` (``jstd.nn.frozen``) the gate is held
+    with the probabilities: part of the pattern, so the mixer stays a fixed linear map of its values.
     """
 
     gate: Float[Array, "embed heads head_dim"] = eqx.field(default=None, metadata={"axes": ("embed", "heads",
@@ -50,8 +51,8 @@ class GatedAttention(Attention):
 
     def gated(self, heads: Float[Array, "batch seq heads head_dim"],
               x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq heads head_dim"]:
-        gate = add_bias(jnp.einsum("bte,ehd->bthd", x, self.gate), self.gate_bias)
-        return heads * jax.nn.sigmoid(gate)
+        gate = jax.nn.sigmoid(add_bias(jnp.einsum("bte,ehd->bthd", x, self.gate), self.gate_bias))
+        return heads * (jax.lax.stop_gradient(gate) if self.frozen_pattern else gate)
 
     def entries(self, names=None) -> list[Entry]:
         """``Attention``'s names, with ``q_proj`` (and its bias) split per head into the query and the gate."""

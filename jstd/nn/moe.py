@@ -20,6 +20,11 @@ logits' sigmoids) and weights its experts' *inputs* (``weights_on_input``): ``ex
 (``shared_gated`` False); its checkpoints store the experts fused and input-major (``names["experts"] =
 "input_major"``, taken as stored whatever the shapes). The grouped product is ``kernels.moe.expert_outputs``: O(tokens · top_k) memory.
 
+``frozen_routing`` (static; ``jstd.nn.frozen``): the routing is held for gradients — the chosen experts (discrete
+anyway), their weights ``router_weights`` (as edited) and the shared expert's sigmoid gate — so a derivative sees
+each token's MLP as the fixed weighted sum ``Σ_k w_k · expert_k(x)`` of the prompt's experts (the forward is
+unchanged). This is the MoE's part of the local replacement model of attribution graphs (``docs/circuits.md``).
+
 Weights are stored input-major: ``router`` ``[embed, experts]``, ``gate_up`` ``[experts, embed, 2 · mlp]`` (each
 expert's gate columns, then its up columns: transformers 5's fused ``experts.gate_up_proj`` transposed), ``down``
 ``[experts, mlp, embed]``. Checkpoints spell the experts fused (transformers 5; Qwen3-VL-MoE's hub files store
@@ -71,6 +76,7 @@ class MoEMLP(eqx.Module):
     jitter_eps: float = eqx.field(static=True, default=0.0)
     swiglu: tuple[float, float] | None = eqx.field(static=True, default=None)
     weights_on_input: bool = eqx.field(static=True, default=False)
+    frozen_routing: bool = eqx.field(static=True, default=False)
 
     @property
     def sites(self) -> tuple[str, ...]:
@@ -94,6 +100,8 @@ class MoEMLP(eqx.Module):
                                      np.float32 if self.weights_in_float32 else logits.dtype,
                                      self.routing == "top_k_softmax")
         weights = s("mlp.router_weights", weights)
+        if self.frozen_routing:
+            weights = jax.lax.stop_gradient(weights)
         indices = s("mlp.expert_indices", indices)
         if self.weights_on_input:  # each (token, choice) is its own row: the expert reads the weighted input
             rows, chosen = (x[..., None, :] * weights[..., None]).astype(x.dtype).reshape(-1, embed), indices.reshape(-1, 1)
@@ -106,8 +114,10 @@ class MoEMLP(eqx.Module):
         y = combine(outputs, jnp.ones_like(weights) if self.weights_on_input else weights, indices)
         if self.shared is not None:
             shared = self.shared(x, _Quiet())
-            shared = s("mlp.shared_expert_output",
-                       shared if self.shared_gate is None else jax.nn.sigmoid(x @ self.shared_gate) * shared)
+            if self.shared_gate is not None:
+                gate = jax.nn.sigmoid(x @ self.shared_gate)
+                shared = (jax.lax.stop_gradient(gate) if self.frozen_routing else gate) * shared
+            shared = s("mlp.shared_expert_output", shared)
             y = y + shared
         return y
 
