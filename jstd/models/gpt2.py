@@ -34,7 +34,7 @@ from jstd.nn.block import Block
 from jstd.nn.causal_lm import CausalLM
 from jstd.models.family import TextFamily, tied
 from jstd.nn.mlp import MLP
-from jstd.nn.namemap import Entry, linear
+from jstd.nn.namemap import Entry
 from jstd.nn.norms import LayerNorm
 
 GPT2_NAMES = {"attention_norm": "ln_1", "attn": "attn", "mlp_norm": "ln_2", "mlp": "mlp"}

@@ -25,7 +25,7 @@ from jstd.nn.attention import Attention
 from jstd.nn.block import Block
 from jstd.models.family import TextFamily
 from jstd.nn.mlp import MLP
-from jstd.nn.namemap import Entry, linear, present, split_in
+from jstd.nn.namemap import Entry, present, split_in
 from jstd.nn.norms import LayerNorm
 
 NEOX_NAMES = {"attention_norm": "input_layernorm", "attn": "attention", "mlp_norm": "post_attention_layernorm",
