@@ -33,7 +33,7 @@ print(json.dumps(dict(load=load, added=added, touch=touch, transformers="transfo
 """
 
 CONVERT = MEMORY + """
-import jax, jax.numpy as jnp, numpy as np, jstd
+import jstd, jax, jax.numpy as jnp, numpy as np
 from transformers import AutoConfig
 jnp.ones(3).block_until_ready()
 base = current() if reset_peak() else peak()

@@ -59,7 +59,7 @@ def compile_seconds(layers: int, family: str = "llama") -> float:
 def load_memory(folder: Path) -> dict:
     """Peak resident memory added while loading ``folder`` (float32), in a fresh process."""
     code = f"""
-import json, psutil, jax, jax.numpy as jnp, jstd, transformers
+import jstd, json, psutil, jax, jax.numpy as jnp, transformers
 from transformers import AutoConfig
 AutoConfig.from_pretrained({str(folder)!r})
 jnp.ones(3).block_until_ready()

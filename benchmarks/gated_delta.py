@@ -29,11 +29,12 @@ import inspect
 import os
 import time
 
+from common import time_interleaved  # (first: it imports jstd, which starts JAX quietly)
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import time_interleaved
 from jstd.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 B, H, D = 1, 8, 128

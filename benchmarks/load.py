@@ -84,7 +84,7 @@ sys.meta_path = [NoTorch if f is importlib.machinery.PathFinder else f for f in 
 # a fresh process's timed ``jstd.load({folder})``: ``base`` (memory before), ``model``, ``load`` (seconds);
 # {imports}: what is imported before the baseline
 TIMED_LOAD = MEMORY + """
-import jax, jax.numpy as jnp, numpy as np, jstd
+import jstd, jax, jax.numpy as jnp, numpy as np
 {imports}
 jnp.ones(3).block_until_ready()
 base = current() if reset_peak() else peak()

@@ -42,6 +42,9 @@ ENV_RESULT = "JSTD_TEST_RESULT"
 # XLA's CPU backend at its lowest optimization level (as tests/test_sharding.py's subprocess): compiles about twice
 # as fast; the values move by a rounding at most
 FAST = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# the persistent compilation cache on in a folder of the job's (every program kept): a later job given the same
+# folder reads its programs from there; ``join`` also has each program compiled once a job (``share_compiles``)
+CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 def free_port() -> int:
@@ -51,9 +54,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(process_id: int, processes: int, devices: int, port: int, result: Path, extra: dict | None = None,
-              ) -> dict:
-    """The environment of child ``process_id``: simulated devices, the job's coordinates, where its result goes."""
+def child_env(process_id: int, processes: int, devices: int, port: int, result: Path, cache: Path,
+              extra: dict | None = None) -> dict:
+    """The environment of child ``process_id``: simulated devices, the job's coordinates, where its result goes,
+    the compilation cache the job shares (``cache``)."""
     flags = os.environ.get("XLA_FLAGS", "")
     flags = " ".join(f for f in flags.split() if not f.startswith(("--xla_force_host_platform_device_count",
                                                                    "--xla_backend_optimization_level",
@@ -61,7 +65,7 @@ def child_env(process_id: int, processes: int, devices: int, port: int, result: 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}{FAST}".strip(),
            ENV_COORDINATOR: f"{LOOPBACK}:{port}", ENV_PROCESSES: str(processes), ENV_PROCESS_ID: str(process_id),
-           ENV_RESULT: str(result)}
+           ENV_RESULT: str(result), "JSTD_COMPILATION_CACHE": str(cache), **CACHE_ENV}
     return {**env, **(extra or {})}
 
 
@@ -90,8 +94,10 @@ class Child:
 
 
 def start(argv, processes: int = 2, devices: int = 4, workdir: Path | None = None, env: dict | None = None,
-          ) -> list[Child]:
-    """``processes`` children running ``argv`` as one ``jax.distributed`` job on a free loopback port."""
+          cache: Path | None = None) -> list[Child]:
+    """``processes`` children running ``argv`` as one ``jax.distributed`` job on a free loopback port; ``cache``:
+    the folder of the job's compiled programs (default: a new one in ``workdir``; jobs given one folder share
+    them)."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="multihost-"))
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -101,8 +107,8 @@ def start(argv, processes: int = 2, devices: int = 4, workdir: Path | None = Non
             result = workdir / f"result-{i}.pkl"
             result.unlink(missing_ok=True)
             argv_i = [a.format(coordinator=f"{LOOPBACK}:{port}", process_id=i, processes=processes) for a in argv]
-            children.append(Child(argv_i, child_env(i, processes, devices, port, result, env), workdir / f"log-{i}.txt",
-                                  result))
+            children.append(Child(argv_i, child_env(i, processes, devices, port, result, cache or workdir / "cache", env),
+                                  workdir / f"log-{i}.txt", result))
     except BaseException:
         for c in children:
             c.kill()
@@ -152,23 +158,49 @@ def wait(children: list[Child], timeout: float) -> list:
 
 
 def launch(argv, processes: int = 2, devices: int = 4, timeout: float = 120, workdir: Path | None = None,
-           env: dict | None = None) -> list:
+           env: dict | None = None, cache: Path | None = None) -> list:
     """Start ``processes`` children running ``argv`` as one job and wait for them (``start``, ``wait``): each
     one's result (``finish``), or AssertionError with the failed child's output; every child is killed on a
     failure."""
-    return wait(start(argv, processes, devices, workdir, env), timeout)
+    return wait(start(argv, processes, devices, workdir, env, cache), timeout)
 
 
 # ---- the child side ------------------------------------------------------------------------------------------------
 
+def share_compiles() -> bool:
+    """Have process 0 compile each program of the job and hand it to the others (jax's
+    ``share_binary_between_hosts``, through the coordinator): the other processes wait instead of compiling it too,
+    which halves the job's compile time on a machine whose processes share the cores. Returns whether it is on.
+
+    On the CPU, jax keys a program by the devices' topology fingerprint, which is each process's own: the
+    processes would wait for programs under keys that no process shares. Keyed by the devices' ids instead (what
+    jax hashes where a backend has no fingerprint), the same program has the same key in every process. Where jax
+    no longer has the function replaced here, every process compiles as before."""
+    import jax
+
+    try:
+        from jax._src import cache_key
+    except ImportError:
+        return False
+    if not callable(getattr(cache_key, "_hash_accelerator_config", None)) or \
+            not callable(getattr(cache_key, "_hash_devices", None)):
+        return False
+    cache_key._hash_accelerator_config = cache_key._hash_devices
+    jax.config.update("jax_share_binary_between_hosts", True)
+    jax.config.update("jax_share_binary_between_hosts_timeout_ms", 300_000)  # a mismatch fails, not hangs 20 min
+    return True
+
+
 def join(timeout: int = 60) -> None:
     """Join the job ``launch`` set up: gloo collectives on the CPU, ``jax.distributed.initialize`` on the loopback
-    coordinator (``timeout`` seconds to find the other processes)."""
+    coordinator (``timeout`` seconds to find the other processes), each program compiled once (``share_compiles``).
+    """
     import jax
 
     import jstd
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    share_compiles()
     jstd.sharding.initialize(os.environ[ENV_COORDINATOR], int(os.environ[ENV_PROCESSES]),
                              int(os.environ[ENV_PROCESS_ID]), timeout=timeout)
 

@@ -27,7 +27,16 @@ import time
 
 import numpy as np
 
-MESHES = {"FSDP": (8, 1), "TP": (2, 4), "FSDP_TP": (2, 4)}
+
+
+def mesh_shape(layout: str) -> tuple[int, int]:
+    """(data, model) of ``layout``'s mesh over every device of every process: FSDP's one axis over them all; TP's
+    and FSDP_TP's model axis over each process's devices, data across the processes."""
+    import jax
+
+    devices, processes = len(jax.devices()), jax.process_count()
+    return (devices, 1) if layout == "FSDP" else (processes, devices // processes)
+
 STEER = "layers.layer_output"
 start = time.time()
 
@@ -228,7 +237,7 @@ def collect_main(folder: str, out: str) -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
     import jstd
 
-    mesh = jstd.sharding.mesh(8, 1)
+    mesh = jstd.sharding.mesh(*mesh_shape("FSDP"))
     model = jstd.load(folder, mesh=mesh, rules=jstd.sharding.FSDP)
     tok = jstd.load_processor(folder)
     os.environ["JSTD_TEST_OUT"] = out
@@ -246,13 +255,13 @@ def main(path: str) -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
     import jstd
 
-    assert jax.process_count() == 2 and len(jax.devices()) == 8, (jax.process_count(), jax.devices())
+    assert jax.process_count() == 2 and len(jax.devices()) == 2 * len(jax.local_devices()), jax.devices()
     with open(path, "rb") as f:
         cases = pickle.load(f)
     results = {}
     for case, folder, inputs, layouts in cases:
         for layout, only in layouts.items():
-            mesh = jstd.sharding.mesh(*MESHES[layout])
+            mesh = jstd.sharding.mesh(*mesh_shape(layout))
             rules = jstd.sharding.LAYOUTS[layout]
             model, report = load_report(folder, mesh, rules)
             results[case, layout, "load"] = report

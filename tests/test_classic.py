@@ -1,7 +1,7 @@
 """GPT-Neo, GPT-J, Phi, OPT and BLOOM: what the conformance suite (tests/families.py cases) does not already check.
 
 The published configs (TinyStories-33M, GPT-Neo-125M, GPT-J-6B, Phi-2, OPT-125M, OPT-350M, BLOOM-560M) at their
-full width with two blocks, stored with the hub's tensor names, load with no ConfigWarning and give transformers'
+full width with two blocks (one of GPT-J-6B and Phi-2) and a 1024-row vocabulary, stored with the hub's tensor names, load with no ConfigWarning and give transformers'
 logits; ``jstd.load("roneneldan/TinyStories-33M")`` resolves through a huggingface_hub cache; each family's quirk
 has a direct check (GPT-Neo's local window and unscaled float32 scores, GPT-J's interleaved rotary, BLOOM's ALiBi
 positions from the mask of a padded batch, OPT's position offset and its table's end, OPT-350M's post-norm blocks);
@@ -10,22 +10,17 @@ positions from the mask of a padded batch, OPT's position offset and its table's
 
 from __future__ import annotations
 
-import json
 import shutil
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import classic_cases
 import jstd
 from conftest import assert_close
-from jstd.io.hf import ConfigWarning
 from jstd.kernels.attention import alibi_slopes
 from jstd.kernels.rope import apply_rotary
 from jstd.models.bloom import Bloom
@@ -33,9 +28,10 @@ from jstd.models.gpt_neo import GPTNeo
 from jstd.models.gptj import GPTJ
 from jstd.models.opt import OPT
 from reference.cases import jit_run, left_padded
+from reference.checkpoints import published_matches
 
-# the hub's config.json of each (2 blocks, and GPT-J's and BLOOM's vocabularies cut to 1024 rows: the widths are the
-# published ones, and a 50400- or 250880-row table would only add memory)
+# the hub's config.json of each (GPT-J's and BLOOM's vocabularies cut to 1024 rows, and the others' by ``published``:
+# the widths are the published ones, and a 50000- or 250880-row table would only add memory)
 TINYSTORIES_33M = {
     "activation_function": "gelu_new", "architectures": ["GPTNeoForCausalLM"], "attention_dropout": 0,
     "attention_layers": ["global", "local", "global", "local"], "attention_types": [[["global", "local"], 2]],
@@ -88,12 +84,18 @@ PUBLISHED = {"tinystories-33m": TINYSTORIES_33M, "gpt-neo-125m": GPT_NEO_125M, "
              "opt-125m": OPT_125M, "opt-350m": OPT_350M, "bloom-560m": BLOOM_560M}
 DEPTH = {"gpt_neo": "num_layers", "gptj": "n_layer", "phi": "num_hidden_layers", "opt": "num_hidden_layers",
          "bloom": "n_layer"}
+# one block of the two widest (GPT-J-6B's 4096, Phi-2's 2560: a block's weights are most of the test's time); two
+# of the others (GPT-Neo's global and local blocks); every family's tiny cases run several blocks
+BLOCKS = {"gpt-j-6b": 1, "phi-2": 1}
 
 
-def two_blocks(raw: dict) -> dict:
-    raw = {**raw, DEPTH[raw["model_type"]]: 2}
+def published(name: str) -> dict:
+    """``PUBLISHED[name]`` cut to its blocks (``BLOCKS``, default 2) and a 1024-row vocabulary, every other key as
+    the hub has it."""
+    raw = {**PUBLISHED[name], "vocab_size": 1024}
+    raw[DEPTH[raw["model_type"]]] = blocks = BLOCKS.get(name, 2)
     if raw["model_type"] == "gpt_neo":
-        raw["attention_types"] = [[["global", "local"], 1]]
+        raw["attention_types"] = [[["global", "local"], blocks // 2]]
         raw["attention_layers"] = ["global", "local"]
     return raw
 
@@ -110,28 +112,11 @@ def hub_spelled(key: str, model_type: str) -> str:
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_config_loads_without_warnings_and_matches(tmp_path, name):
-    """Two blocks of the published shape, random weights, the hub's names and config.json: no ConfigWarning, the
-    logits of transformers (float32, 5e-5), and export writes the hub's names back."""
-    raw = two_blocks(PUBLISHED[name])
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype")})
-    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    """The published widths (``published``: one or two blocks), random weights, the hub's names and config.json: no
+    ConfigWarning, the logits of transformers (float32, 5e-5), and export writes the hub's names back."""
+    raw = published(name)
     folder = tmp_path / "hf"
-    folder.mkdir()
-    tied = ref.config.tie_word_embeddings
-    tensors = {hub_spelled(k, raw["model_type"]): v.numpy() for k, v in ref.state_dict().items()
-               if not (tied and k == "lm_head.weight")}
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(raw))
-    del tensors
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ConfigWarning)
-        model = jstd.load(folder)
-    tokens = np.random.default_rng(0).integers(0, raw["vocab_size"], (2, 9))
-    with torch.no_grad():
-        want = ref(input_ids=torch.as_tensor(tokens)).logits.numpy()
-    del ref
-    assert_close(jit_run(model, tokens).logits, want, 5e-5, name)
+    model = published_matches(raw, folder, hub_spelled, 5e-5)
     if name == "tinystories-33m":  # export writes the hub's tensors back (the names, the fused c_attn unfused)
         written = jstd.export(model, tmp_path / "exported")
         from safetensors.numpy import load_file

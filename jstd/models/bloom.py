@@ -40,7 +40,7 @@ from jstd.models.gpt_neox import FusedQKVAttention
 from jstd.nn.block import Block
 from jstd.nn.causal_lm import CausalLM
 from jstd.nn.mlp import MLP
-from jstd.nn.namemap import Entry, linear
+from jstd.nn.namemap import Entry
 from jstd.nn.norms import LayerNorm
 
 BLOOM_NAMES = {"attention_norm": "input_layernorm", "attn": "self_attention", "mlp_norm": "post_attention_layernorm",
@@ -61,6 +61,8 @@ class Bloom(TextFamily):
     family = "bloom"
     model_types = ("bloom",)
     model_class = BloomLM
+    embed_name, final_norm_name, blocks_name = "transformer.word_embeddings", "transformer.ln_f", "transformer.h.{i}"
+    block_names = BLOOM_NAMES
     # hidden_dropout / attention_dropout: training only; pretraining_tp without slow_but_exact changes nothing
     handled = TextFamily.handled | {"n_layer", "n_head", "layer_norm_epsilon", "apply_residual_connection_post_layernorm",
                                     "hidden_dropout", "attention_dropout", "pretraining_tp", "slow_but_exact",
@@ -108,20 +110,10 @@ class Bloom(TextFamily):
         return dataclasses.replace(model, embed_norm=cls.norm(hf, model.config, dtype))
 
     @classmethod
-    def names(cls, hf, kind: str) -> dict:
-        return BLOOM_NAMES
-
-    @classmethod
     def name_map(cls, hf, skeleton=None) -> list[Entry]:
-        skeleton = skeleton if skeleton is not None else cls.skeleton(hf, "float32")
-        return [
-            Entry("transformer.word_embeddings.weight", "embed"),
-            Entry("transformer.word_embeddings_layernorm.weight", "embed_norm.weight"),
-            Entry("transformer.word_embeddings_layernorm.bias", "embed_norm.bias"),
-            Entry("transformer.ln_f.weight", "final_norm.weight"), Entry("transformer.ln_f.bias", "final_norm.bias"),
-            *([] if skeleton.lm_head is None else [Entry("lm_head.weight", "lm_head", linear)]),
-            *skeleton.layers.name_map("layers", "transformer.h.{i}.", lambda kind: cls.names(hf, kind)),
-        ]
+        """TextFamily's, with the norm after the embedding."""
+        return super().name_map(hf, skeleton) + [Entry(f"transformer.word_embeddings_layernorm.{p}", f"embed_norm.{p}")
+                                                 for p in ("weight", "bias")]
 
     @classmethod
     def stored_prefixes(cls, hf) -> dict[str, tuple[str, ...]]:

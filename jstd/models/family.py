@@ -65,6 +65,13 @@ class TextFamily(Family):
 
     model_class: ClassVar[type] = CausalLM
     head_bias: ClassVar[bool] = False  # the head has a bias (GPT-J, Phi: CausalLM.lm_head_bias)
+    # the checkpoint's top-level module names (``name_map``): the token embedding, the final norm (its ``entries``:
+    # a weight, and a bias where it is a LayerNorm), the blocks (``{i}``: a block's index); ``block_names``: every
+    # block's module names (``names``)
+    embed_name: ClassVar[str] = "model.embed_tokens"
+    final_norm_name: ClassVar[str] = "model.norm"
+    blocks_name: ClassVar[str] = "model.layers.{i}"
+    block_names: ClassVar[dict] = LLAMA_NAMES
     SLIDING = "sliding_attention"  # the block kind whose attention has config.sliding_window
 
     handled = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -114,8 +121,8 @@ class TextFamily(Family):
 
     @classmethod
     def names(cls, hf, kind: str) -> dict:
-        """A block's HuggingFace module names (``Block.entries``)."""
-        return LLAMA_NAMES
+        """A block's HuggingFace module names (``Block.entries``): ``block_names`` for every kind."""
+        return cls.block_names
 
     @classmethod
     def norm(cls, hf, c: ModelConfig, dtype) -> RMSNorm:
@@ -147,12 +154,17 @@ class TextFamily(Family):
 
     @classmethod
     def name_map(cls, hf, skeleton=None) -> list[Entry]:
+        """The embedding, the final norm (none where the skeleton has none), the head (untied) and its bias
+        (``head_bias``), and every block, under the top-level names ``embed_name``, ``final_norm_name`` and
+        ``blocks_name``."""
         skeleton = skeleton if skeleton is not None else cls.skeleton(hf, jnp.float32)
+        norm = skeleton.final_norm
         return [
-            Entry("model.embed_tokens.weight", "embed"),
-            Entry("model.norm.weight", "final_norm.weight"),
+            Entry(f"{cls.embed_name}.weight", "embed"),
+            *([] if norm is None else [e.under(f"{cls.final_norm_name}.", "final_norm.") for e in norm.entries()]),
             *([] if skeleton.lm_head is None else [Entry("lm_head.weight", "lm_head", linear)]),
-            *skeleton.layers.name_map("layers", "model.layers.{i}.", lambda kind: cls.names(hf, kind)),
+            *([Entry("lm_head.bias", "lm_head_bias")] if cls.head_bias else []),
+            *skeleton.layers.name_map("layers", f"{cls.blocks_name}.", lambda kind: cls.names(hf, kind)),
         ]
 
     @classmethod

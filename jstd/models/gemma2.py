@@ -39,6 +39,7 @@ GEMMA2_NAMES = {"attention_norm": "input_layernorm", "attn": "self_attn",
 
 class Gemma2(Gemma):
     family = "gemma2"
+    block_names = GEMMA2_NAMES
     model_types = ("gemma2",)
     handled = (TextFamily.handled - {"hidden_act"}) | {
         "hidden_activation", "attention_bias", "attention_dropout", "query_pre_attn_scalar", "sliding_window",
@@ -62,10 +63,6 @@ class Gemma2(Gemma):
                      mlp_norm=norm(),
                      mlp=GatedMLP.skeleton(c.hidden_size, c.intermediate_size, hf.hidden_activation, False, dtype),
                      mlp_post_norm=norm())
-
-    @classmethod
-    def names(cls, hf, kind: str) -> dict:
-        return GEMMA2_NAMES
 
     @classmethod
     def extra(cls, hf) -> dict:

@@ -27,7 +27,6 @@ import dataclasses
 import equinox as eqx
 from jaxtyping import Array, Float
 
-from jstd.core.checks import checked
 from jstd.core.config import ModelConfig
 from jstd.nn.attention import Attention
 from jstd.nn.params import shape
@@ -35,7 +34,7 @@ from jstd.nn.block import Block
 from jstd.nn.causal_lm import CausalLM
 from jstd.models.family import TextFamily, tied
 from jstd.nn.mlp import MLP
-from jstd.nn.namemap import Entry, linear
+from jstd.nn.namemap import Entry
 from jstd.nn.norms import LayerNorm
 
 GPT2_NAMES = {"attention_norm": "ln_1", "attn": "attn", "mlp_norm": "ln_2", "mlp": "mlp"}
@@ -73,17 +72,14 @@ class Conv1DMLP(MLP):
 class GPT2LM(CausalLM):
     """A ``CausalLM`` with learned absolute positions: ``position_embed`` ``[max positions, embed]``; block 0 reads
     ``token_embeddings + position_embeddings``. Position ``p`` reads row ``p + position_offset`` (OPT's 2). A position
-    past the table fails the call (checked before the gather, also traced: a continued run or a decoding step) and
-    is never clamped."""
+    past the table (``position_limit``) is refused before the gather and never clamped: by ``check_inputs`` (more
+    tokens than the table), by ``jstd.run``'s context check (a continued run's ``Context.positions``, also traced)
+    and by ``jstd.generate`` before it compiles (its decoding steps)."""
 
     position_embed: Float[Array, "positions embed"] = eqx.field(default=None, metadata={"axes": ("positions", "embed")})
     position_offset: int = eqx.field(static=True, default=0)
 
     def enter_positions(self, h, positions, s):
-        most = self.position_embed.shape[0] - self.position_offset
-        positions = checked(positions, lambda xp, p: p >= most,
-                            f"a position is past this {self.family} model's {most} learned positions; run at most "
-                            f"{most} positions a row (prompt and generated tokens together)")
         return h + s("position_embeddings", self.position_embed[positions + self.position_offset].astype(h.dtype))
 
     @property
@@ -106,6 +102,8 @@ class GPT2(TextFamily):
     family = "gpt2"
     model_types = ("gpt2",)
     model_class = GPT2LM
+    embed_name, final_norm_name, blocks_name = "transformer.wte", "transformer.ln_f", "transformer.h.{i}"
+    block_names = GPT2_NAMES
     # the summary_* keys configure GPT2DoubleHeadsModel's classification head, which a causal LM does not have;
     # n_ctx: the context of the first hub configs (n_positions is what transformers reads)
     handled = TextFamily.handled | {
@@ -158,18 +156,9 @@ class GPT2(TextFamily):
                                                                dtype=dtype))  # GPT-2's n_positions
 
     @classmethod
-    def names(cls, hf, kind: str) -> dict:
-        return GPT2_NAMES
-
-    @classmethod
     def name_map(cls, hf, skeleton=None) -> list[Entry]:
-        skeleton = skeleton if skeleton is not None else cls.skeleton(hf, "float32")
-        return [
-            Entry("transformer.wte.weight", "embed"), Entry("transformer.wpe.weight", "position_embed"),
-            Entry("transformer.ln_f.weight", "final_norm.weight"), Entry("transformer.ln_f.bias", "final_norm.bias"),
-            *([] if skeleton.lm_head is None else [Entry("lm_head.weight", "lm_head", linear)]),
-            *skeleton.layers.name_map("layers", "transformer.h.{i}.", lambda kind: cls.names(hf, kind)),
-        ]
+        """TextFamily's, with the learned position table."""
+        return super().name_map(hf, skeleton) + [Entry("transformer.wpe.weight", "position_embed")]
 
     @classmethod
     def stored_prefixes(cls, hf) -> dict[str, tuple[str, ...]]:

@@ -42,6 +42,7 @@ class GPTNeo(GPT2):
 
     family = "gpt_neo"
     model_types = ("gpt_neo",)
+    block_names = GPT_NEO_NAMES
     # attention_layers: what transformers expands attention_types into; the summary_* keys configure a
     # classification head a causal LM does not have
     handled = TextFamily.handled | {
@@ -81,10 +82,6 @@ class GPTNeo(GPT2):
             mlp=MLP.skeleton(c.hidden_size, c.intermediate_size, hf.activation_function, dtype),
             mlp_post_norm=None,
         )
-
-    @classmethod
-    def names(cls, hf, kind: str) -> dict:
-        return GPT_NEO_NAMES
 
     @classmethod
     def ignored(cls, hf) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ from jstd.nn.attention import Attention
 from jstd.nn.block import Block
 from jstd.models.family import TextFamily
 from jstd.nn.mlp import MLP
-from jstd.nn.namemap import Entry, linear, present, split_in
+from jstd.nn.namemap import Entry, present, split_in
 from jstd.nn.norms import LayerNorm
 
 NEOX_NAMES = {"attention_norm": "input_layernorm", "attn": "attention", "mlp_norm": "post_attention_layernorm",
@@ -57,6 +57,8 @@ class FusedQKVAttention(Attention):
 class GPTNeoX(TextFamily):
     family = "gpt_neox"
     model_types = ("gpt_neox",)
+    embed_name, final_norm_name, blocks_name = "gpt_neox.embed_in", "gpt_neox.final_layer_norm", "gpt_neox.layers.{i}"
+    block_names = NEOX_NAMES
     # rotary_pct / rotary_emb_base: the hub configs' spellings, which transformers folds into rope_parameters;
     # classifier_dropout: a sequence-classification head's
     handled = TextFamily.handled | {"use_parallel_residual", "layer_norm_eps", "attention_bias", "rotary_pct",
@@ -86,21 +88,6 @@ class GPTNeoX(TextFamily):
             mlp_post_norm=None,
             parallel=bool(hf.use_parallel_residual),
         )
-
-    @classmethod
-    def names(cls, hf, kind: str) -> dict:
-        return NEOX_NAMES
-
-    @classmethod
-    def name_map(cls, hf, skeleton=None) -> list[Entry]:
-        skeleton = skeleton if skeleton is not None else cls.skeleton(hf, "float32")
-        return [
-            Entry("gpt_neox.embed_in.weight", "embed"),
-            Entry("gpt_neox.final_layer_norm.weight", "final_norm.weight"),
-            Entry("gpt_neox.final_layer_norm.bias", "final_norm.bias"),
-            *([] if skeleton.lm_head is None else [Entry("lm_head.weight", "lm_head", linear)]),
-            *skeleton.layers.name_map("layers", "gpt_neox.layers.{i}.", lambda kind: cls.names(hf, kind)),
-        ]
 
     @classmethod
     def stored_prefixes(cls, hf) -> dict[str, tuple[str, ...]]:

@@ -49,6 +49,7 @@ def refuse_quantized(hf, family: str) -> None:
 
 class GptOss(Llama):
     family = "gpt_oss"
+    block_names = NAMES
     model_types = ("gpt_oss",)
     handled = Llama.handled | {"attention_dropout", "sliding_window", "layer_types", "num_local_experts",
                                "num_experts_per_tok", "swiglu_alpha", "swiglu_limit", "router_aux_loss_coef",
@@ -77,7 +78,3 @@ class GptOss(Llama):
                               swiglu=(hf.swiglu_limit, hf.swiglu_alpha))
         return Block(attention_norm=cls.norm(hf, c, dtype), attn=attn, attention_post_norm=None,
                      mlp_norm=cls.norm(hf, c, dtype), mlp=mlp, mlp_post_norm=None)
-
-    @classmethod
-    def names(cls, hf, kind: str) -> dict:
-        return NAMES

@@ -32,7 +32,6 @@ from jstd.models.family import TextFamily, tied
 from jstd.nn.attention import Attention
 from jstd.nn.block import Block
 from jstd.nn.mlp import MLP
-from jstd.nn.namemap import Entry, linear
 from jstd.nn.norms import LayerNorm
 
 GPTJ_NAMES = {"attention_norm": "ln_1", "attn": "attn", "mlp": "mlp", "out": "out_proj", "fc1": "fc_in",
@@ -43,6 +42,8 @@ class GPTJ(TextFamily):
     family = "gptj"
     model_types = ("gptj",)
     head_bias = True
+    embed_name, final_norm_name, blocks_name = "transformer.wte", "transformer.ln_f", "transformer.h.{i}"
+    block_names = GPTJ_NAMES
     handled = TextFamily.handled | {"n_embd", "n_layer", "n_head", "n_positions", "n_inner", "rotary_dim",
                                     "activation_function", "layer_norm_epsilon",
                                     # the hub config's flags for what GPT-J always does (rotary, scaled scores), and
@@ -82,21 +83,6 @@ class GPTJ(TextFamily):
             mlp_post_norm=None,
             parallel=True,
         )
-
-    @classmethod
-    def names(cls, hf, kind: str) -> dict:
-        return GPTJ_NAMES
-
-    @classmethod
-    def name_map(cls, hf, skeleton=None) -> list[Entry]:
-        skeleton = skeleton if skeleton is not None else cls.skeleton(hf, "float32")
-        return [
-            Entry("transformer.wte.weight", "embed"),
-            Entry("transformer.ln_f.weight", "final_norm.weight"), Entry("transformer.ln_f.bias", "final_norm.bias"),
-            *([] if skeleton.lm_head is None else [Entry("lm_head.weight", "lm_head", linear)]),
-            Entry("lm_head.bias", "lm_head_bias"),
-            *skeleton.layers.name_map("layers", "transformer.h.{i}.", lambda kind: cls.names(hf, kind)),
-        ]
 
     @classmethod
     def ignored(cls, hf) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ OLMO2_NAMES = {"attn": "self_attn", "attention_post_norm": "post_attention_layer
 
 class Olmo2(TextFamily):
     family = "olmo2"
+    block_names = OLMO2_NAMES
     model_types = ("olmo2",)
     handled = TextFamily.handled | {"attention_bias", "attention_dropout"}
 
@@ -56,7 +57,3 @@ class Olmo2(TextFamily):
                      attention_post_norm=cls.norm(hf, c, dtype), mlp_norm=None,
                      mlp=GatedMLP.skeleton(c.hidden_size, c.intermediate_size, hf.hidden_act, False, dtype),
                      mlp_post_norm=cls.norm(hf, c, dtype))
-
-    @classmethod
-    def names(cls, hf, kind: str) -> dict:
-        return OLMO2_NAMES

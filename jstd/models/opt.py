@@ -78,6 +78,8 @@ class OPT(TextFamily):
     family = "opt"
     model_types = ("opt",)
     model_class = OPTLM
+    embed_name, final_norm_name, blocks_name = (PREFIX + "embed_tokens", PREFIX + "final_layer_norm",
+                                                PREFIX + "layers.{i}")
     # dropout, attention_dropout, layerdrop (training), init_std; prefix: the hub configs' note of the BOS text
     handled = TextFamily.handled | {"ffn_dim", "do_layer_norm_before", "_remove_final_layer_norm",
                                     "word_embed_proj_dim", "activation_function", "enable_bias",
@@ -144,16 +146,13 @@ class OPT(TextFamily):
 
     @classmethod
     def name_map(cls, hf, skeleton=None) -> list[Entry]:
+        """TextFamily's (no final norm after post-norm blocks), with the learned position table and the
+        projections in and out of a narrower embedding."""
         skeleton = skeleton if skeleton is not None else cls.skeleton(hf, "float32")
-        return [
-            Entry(PREFIX + "embed_tokens.weight", "embed"), Entry(PREFIX + "embed_positions.weight", "position_embed"),
-            *([] if skeleton.final_norm is None else [Entry(PREFIX + "final_layer_norm.weight", "final_norm.weight"),
-                                                      Entry(PREFIX + "final_layer_norm.bias", "final_norm.bias")]),
+        return super().name_map(hf, skeleton) + [
+            Entry(PREFIX + "embed_positions.weight", "position_embed"),
             *([] if skeleton.project_in is None else [Entry(PREFIX + "project_in.weight", "project_in", linear),
-                                                      Entry(PREFIX + "project_out.weight", "project_out", linear)]),
-            *([] if skeleton.lm_head is None else [Entry("lm_head.weight", "lm_head", linear)]),
-            *skeleton.layers.name_map("layers", PREFIX + "layers.{i}.", lambda kind: cls.names(hf, kind)),
-        ]
+                                                      Entry(PREFIX + "project_out.weight", "project_out", linear)])]
 
     @classmethod
     def stored_prefixes(cls, hf) -> dict[str, tuple[str, ...]]:

@@ -26,7 +26,7 @@ from jstd.models.family import TextFamily
 from jstd.nn.attention import Attention
 from jstd.nn.block import Block
 from jstd.nn.mlp import MLP
-from jstd.nn.namemap import Entry, linear, present
+from jstd.nn.namemap import Entry, present
 from jstd.nn.norms import LayerNorm
 
 PHI_NAMES = {"attention_norm": "input_layernorm", "attn": "self_attn", "mlp": "mlp", "out": "dense"}
@@ -46,6 +46,7 @@ class Phi(TextFamily):
     model_types = ("phi",)
     # resid_pdrop / embd_pdrop: dropout (training only)
     head_bias = True
+    final_norm_name, block_names = "model.final_layernorm", PHI_NAMES
     handled = TextFamily.handled | {"layer_norm_eps", "qk_layernorm", "resid_pdrop", "embd_pdrop"}
 
     @classmethod
@@ -69,18 +70,3 @@ class Phi(TextFamily):
             parallel=True,
         )
 
-    @classmethod
-    def names(cls, hf, kind: str) -> dict:
-        return PHI_NAMES
-
-    @classmethod
-    def name_map(cls, hf, skeleton=None) -> list[Entry]:
-        skeleton = skeleton if skeleton is not None else cls.skeleton(hf, "float32")
-        return [
-            Entry("model.embed_tokens.weight", "embed"),
-            Entry("model.final_layernorm.weight", "final_norm.weight"),
-            Entry("model.final_layernorm.bias", "final_norm.bias"),
-            *([] if skeleton.lm_head is None else [Entry("lm_head.weight", "lm_head", linear)]),
-            Entry("lm_head.bias", "lm_head_bias"),
-            *skeleton.layers.name_map("layers", "model.layers.{i}.", lambda kind: cls.names(hf, kind)),
-        ]

@@ -94,6 +94,6 @@ class Phimoe(Mixtral):
 
     @classmethod
     def name_map(cls, hf, skeleton=None) -> list[Entry]:
-        """Mixtral's, with the final LayerNorm's bias and the head's bias."""
-        entries = super().name_map(hf, skeleton) + [Entry("model.norm.bias", "final_norm.bias")]
-        return entries + ([Entry("lm_head.bias", "lm_head_bias")] if getattr(hf, "lm_head_bias", False) else [])
+        """Mixtral's (the final LayerNorm's weight and bias), with the head's bias."""
+        bias = [Entry("lm_head.bias", "lm_head_bias")] if getattr(hf, "lm_head_bias", False) else []
+        return super().name_map(hf, skeleton) + bias

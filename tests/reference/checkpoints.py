@@ -43,3 +43,42 @@ def make_checkpoint(config, folder: str | Path, seed: int = 0,
     folder = Path(folder)
     model.save_pretrained(folder)
     return folder
+
+
+def published_matches(raw: dict, folder: Path, hub_spelled: Callable[[str, str], str], rtol: float,
+                      extra: dict | None = None):
+    """A published config.json ``raw`` (cut to a few blocks) with random weights, saved in ``folder`` under the
+    hub's tensor names (``hub_spelled(key, model_type)``; ``extra``: tensors the hub's files also hold), loads with
+    every ``ConfigWarning`` an error and gives transformers' float32 logits within ``rtol``. Returns the jstd model.
+    """
+    import json
+    import warnings
+
+    import numpy as np
+    from safetensors.numpy import save_file
+    from transformers import AutoConfig
+
+    import jstd
+    from conftest import assert_close
+    from jstd.io.hf import ConfigWarning
+    from reference.cases import jit_run
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(**{k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype")})
+    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    tied = ref.config.tie_word_embeddings
+    tensors = {hub_spelled(k, raw["model_type"]): v.numpy() for k, v in ref.state_dict().items()
+               if not (tied and k == "lm_head.weight")}
+    save_file({**tensors, **(extra or {})}, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(raw))
+    del tensors
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        model = jstd.load(folder)
+    tokens = np.random.default_rng(0).integers(0, raw["vocab_size"], (2, 9))
+    with torch.no_grad():
+        want = ref(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    del ref
+    assert_close(jit_run(model, tokens).logits, want, rtol, raw["model_type"])
+    return model
