@@ -6,7 +6,7 @@ interventions on feature nodes."""
 from jstd.circuits.attribute import attribute, prompt_tokens
 from jstd.circuits.files import find_transcoders, from_saes, load_transcoders, save_transcoders
 from jstd.circuits.frontend import frontend_json, write_frontend
-from jstd.circuits.graph import Graph
+from jstd.circuits.graph import Graph, SparseAdjacency
 from jstd.circuits.interventions import frozen_effect, intervene
 from jstd.circuits.prune import Pruned, graph_scores, prune
 from jstd.circuits.qk import QK, graph_json_extras, head_loadings, qk_attribution
@@ -15,6 +15,6 @@ from jstd.circuits.train import TrainedCLT, train_clt
 from jstd.circuits.transcoders import Transcoders
 
 __all__ = ["Transcoders", "load_transcoders", "save_transcoders", "find_transcoders", "from_saes", "attribute",
-           "prompt_tokens", "Graph", "prune", "Pruned", "graph_scores", "frontend_json", "write_frontend",
+           "prompt_tokens", "Graph", "SparseAdjacency", "prune", "Pruned", "graph_scores", "frontend_json", "write_frontend",
            "intervene", "frozen_effect", "train_clt", "TrainedCLT", "qk_attribution", "QK", "head_loadings",
            "graph_json_extras", "aggregate_edges", "EdgeTable", "node_keys"]
