@@ -15,6 +15,6 @@ from jstd.circuits.train import TrainedCLT, train_clt
 from jstd.circuits.transcoders import Transcoders
 
 __all__ = ["Transcoders", "load_transcoders", "save_transcoders", "find_transcoders", "from_saes", "attribute",
-           "prompt_tokens", "Graph", "SparseAdjacency", "prune", "Pruned", "graph_scores", "frontend_json", "write_frontend",
-           "intervene", "frozen_effect", "train_clt", "TrainedCLT", "qk_attribution", "QK", "head_loadings",
+           "prompt_tokens", "Graph", "SparseAdjacency", "prune", "Pruned", "graph_scores", "frontend_json",
+           "write_frontend", "intervene", "frozen_effect", "train_clt", "TrainedCLT", "qk_attribution", "QK", "head_loadings",
            "graph_json_extras", "aggregate_edges", "EdgeTable", "node_keys"]

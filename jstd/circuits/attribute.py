@@ -255,7 +255,8 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
         ``SparseAdjacency`` of at most ``N · edges_per_row`` entries with each row's full ``Σ |A|`` (see
         ``jstd.circuits.prune`` for what pruning then computes; with ``max_feature_nodes`` below the active
         count, a row's sum leaves out its kept edges from features that did not become nodes, but still counts
-        the dropped ones).
+        the dropped ones, and the visiting order ranks influence through the kept edges, so other features may
+        become nodes than in the dense graph).
 
     Exact as circuit-tracer within float32 rounding (tests/test_circuits.py compares every entry). Raises
     ValueError for transcoders that do not fit the model, bad prompts or targets.
@@ -332,7 +333,10 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
             g_y, g_e = target_gradients(model, tokens[:, :P], tc, jnp.asarray(pad(layers), jnp.int32),
                                         jnp.asarray(pad(positions), jnp.int32), jnp.asarray(pad(vectors)),
                                         depth=depth)
-            c = source_columns(g_y, g_e, U, E, T, columns)
+            # a feature target of block l reads nothing from block l's MLP output or later ones
+            reach = int(layers[s:s + m].max())
+            reach = reach if reach < L else None
+            c = source_columns(g_y, g_e, U, E, T, columns, reach=reach)
             out.append((m, c if edges_per_row is None else top_edges(c, min(edges_per_row, c.shape[1]))))
         if edges_per_row is None:
             if not out:
@@ -378,7 +382,8 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
                          if sparse else _influences(edge[:st], t_probs, row_nodes[:st]))
             rank = np.argsort(-influence[:n_active], kind="stable")
             pending = rank[~visited[rank]][:min(update_interval * batch_size, keep - n_visited)]
-        put(slice(st, st + len(pending)), rows(f_layer[pending], f_pos[pending], enc[f_layer[pending], f_feat[pending]]))
+        got = rows(f_layer[pending], f_pos[pending], enc[f_layer[pending], f_feat[pending]])
+        put(slice(st, st + len(pending)), got)
         row_nodes[st:st + len(pending)] = pending
         visited[pending] = True
         st += len(pending)

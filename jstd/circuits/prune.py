@@ -112,7 +112,8 @@ def prune(graph: Graph, node_threshold: float = 0.8, edge_threshold: float = 0.9
         targets, sources = np.nonzero(edge_scores >= threshold(edge_scores.reshape(-1), edge_threshold))
     nf, N = graph.n_features, graph.n_nodes
     alive = np.ones(len(targets), bool)
-    while True:  # drop nodes without a kept outgoing edge (features, errors) or incoming one (features), and their edges
+    # until nothing changes: drop nodes without a kept outgoing edge (features, errors) or incoming one (features)
+    while True:
         old = node_mask.copy()
         node_mask[:-kept_ends] &= np.bincount(sources[alive], minlength=N)[:-kept_ends] > 0
         node_mask[:nf] &= np.bincount(targets[alive], minlength=N)[:nf] > 0

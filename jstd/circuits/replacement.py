@@ -148,8 +148,8 @@ def target_gradients(model, tokens, tc: Transcoders, layers, positions, vectors,
     return gradients(model, tokens, tc, layers, positions, vectors, depth)
 
 
-@jax.jit
-def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, columns):
+@functools.partial(jax.jit, static_argnames="reach")
+def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, columns, reach: int | None = None):
     """The rows of a batch of targets against every source, from their gradients (``target_gradients``: ``g_y [B,
     D, P, d]``, ``g_e [B, P, d]``, of the first ``D`` blocks and ``P`` positions): ``[B, A + L·n + n]`` = feature
     columns ``[B, A]``, errors ``[B, L·n]`` (block-major), tokens ``[B, n]`` (zeros past ``D`` and ``P``).
@@ -157,8 +157,12 @@ def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, columns):
     sources: per block ``lo``, ``[n, K_lo, d]`` the (activation-scaled) vectors the features write there, padded
     with zeros; columns ``[A, L]`` int: feature ``f``'s slot at block ``lo`` in the blocks' flattened ``[n, K_lo]``
     concatenated (``Σ n·K_lo`` for "none": a zero column), summed over blocks (a cross-layer feature writes at
-    several). errors ``[L, n, d]``, token_vectors ``[n, d]``. On the device, so no gradient reaches the host."""
+    several). errors ``[L, n, d]``, token_vectors ``[n, d]``. On the device, so no gradient reaches the host.
+    reach (static; None: D): only blocks before it are contracted (a batch of feature targets of blocks at most
+    ``reach``: a target of block ``l`` reads nothing from block ``l``'s MLP output or later ones).
+    """
     B, D, P, _ = g_y.shape
+    D = D if reach is None else min(D, reach)
     L, n, _ = errors.shape
     prec = jax.lax.Precision.HIGHEST
     parts = []
@@ -171,7 +175,7 @@ def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, columns):
         parts.append(c.reshape(B, -1))
     parts.append(jnp.zeros((B, 1), g_y.dtype))
     features = jnp.concatenate(parts, 1)[:, columns].sum(-1)
-    errs = jnp.einsum("blpd,lpd->blp", g_y, errors[:D, :P], precision=prec)
+    errs = jnp.einsum("blpd,lpd->blp", g_y[:, :D], errors[:D, :P], precision=prec)
     errs = jnp.pad(errs, ((0, 0), (0, L - D), (0, n - P))).reshape(B, L * n)
     toks = jnp.pad(jnp.einsum("bpd,pd->bp", g_e, token_vectors[:P], precision=prec), ((0, 0), (0, n - P)))
     return jnp.concatenate([features, errs, toks], 1)
