@@ -11,10 +11,13 @@ computes it (Ameisen et al. 2025), from jstd's own forward.
    up to ``max_n_logits``, the shortest prefix whose cumulative probability reaches ``desired_logit_prob``; each
    reads the demeaned unembedding ``W_U[:, v] - mean_u W_U[:, u]`` at the final norm's output.
 4. Edges are direct effects in the local replacement model (``jstd.circuits.replacement``), computed for
-   ``batch_size`` targets at a time by one compiled program (a ``vmap`` over one ``vjp``'s cotangents): logit rows
-   first, then feature rows — every feature, or with ``max_feature_nodes`` the most influential ones, visited in
+   ``batch_size`` targets at a time by one compiled program (a ``vmap`` over one ``vjp``'s cotangents) and
+   contracted with the sources by a second one on the device (``source_columns``): logit rows first, then feature
+   rows — every feature, or with ``max_feature_nodes`` the most influential ones, visited in
    circuit-tracer's order (after each ``update_interval · batch_size`` rows the features not yet visited are
    re-ranked by their influence on the logits through the rows computed so far).
+5. Several prompts in one call are padded on the right to one length and share every compiled program; each
+   graph is its prompt's own. ``edges_per_row`` keeps each row's largest edges (``SparseAdjacency``).
 """
 
 from __future__ import annotations
