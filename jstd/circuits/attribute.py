@@ -328,8 +328,13 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
         every batch is dispatched before the first is read back (the device runs ahead of the host). With
         ``edges_per_row``: ``(values [m, e], columns [m, e], Σ|row| [m])``, each row's top edges by magnitude."""
         out = []
-        for s in range(0, len(layers), batch_size):
-            m = min(batch_size, len(layers) - s)
+        order = np.lexsort((positions, layers))  # by block, then position: batches that share a depth and length
+        layers, positions, vectors = layers[order], positions[order], vectors[order]
+        cuts = list(np.flatnonzero(np.diff(layers)) + 1) if by_depth else []  # no batch straddles two blocks
+        starts = [s for a, b in zip([0] + cuts, cuts + [len(layers)]) for s in range(a, b, batch_size)]
+        ends = starts[1:] + [len(layers)]
+        for s, e in zip(starts, ends):
+            m = e - s
             depth = min(int(layers[s:s + m].max()) + 1, L) if by_depth else L
             P = next(P for P in lengths if P > int(positions[s:s + m].max()))
             pad = lambda a: np.concatenate([a[s:s + m], np.zeros((batch_size - m,) + a.shape[1:], a.dtype)])
@@ -341,14 +346,15 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
             reach = reach if reach < L else None
             c = source_columns(g_y, g_e, U, E, T, columns, reach=reach)
             out.append((m, c if edges_per_row is None else top_edges(c, min(edges_per_row, c.shape[1]))))
+        back = np.argsort(order)
         if edges_per_row is None:
             if not out:
                 return np.zeros((0, n_sources), np.float32)
-            return np.concatenate([np.asarray(c)[:m] for m, c in out])[:, keep_columns]
+            return np.concatenate([np.asarray(c)[:m] for m, c in out])[back][:, keep_columns]
         e = min(edges_per_row, src.columns.shape[0] + (L + 1) * N)
         if not out:
             return np.zeros((0, e), np.float32), np.zeros((0, e), np.int64), np.zeros(0, np.float32)
-        values, cols, sums = (np.concatenate([np.asarray(c[i])[:m] for m, c in out]) for i in range(3))
+        values, cols, sums = (np.concatenate([np.asarray(c[i])[:m] for m, c in out])[back] for i in range(3))
         return values, prompt_column[cols], sums
 
     n_sources = n_active + (L + 1) * n
