@@ -5,12 +5,12 @@ circuit-tracer on it): a random 4-block, 256-wide Llama (4 heads of 64, 2 KV hea
 cross-layer transcoder with 1024 features per block (``mlp.hook_in`` -> ``mlp.hook_out``), a 24-token prompt with
 about 2,900 active features, and 16 prompts of the same length. Reported for jstd, float32 on the CPU:
 
-1. compile: the first ``attribute`` call (both compiled programs: the prompt's forward and the batched backward),
-   apart from the runs;
+1. compile: the first ``attribute`` call (the prompt's forward, and per batch shape the batched backward and the
+   on-device contraction with the sources), apart from the runs;
 2. one prompt, warm, best of ``--repeats``, at each ``--batch-sizes``, with the graph checked against
    circuit-tracer's (every adjacency entry within 1e-5 of the largest);
-3. 16 prompts in one ``attribute`` call (a list of prompts: the programs compile once per call structure, the
-   first call apart).
+3. 16 prompts in one ``attribute`` call (a list of prompts, padded on the right to one length: one forward for
+   all, every program shared; the first call apart), and its ratio to 16 times the one-prompt figure.
 
 circuit-tracer's figures are read from the case's ``case.json`` (``benchmark.timing``: its warm best over batch
 sizes, and its 16 prompts one after another), measured by time_attribution.py on the same machine just before::
@@ -69,7 +69,7 @@ def build_case(folder: Path, tiny: bool, n_prompts: int) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", default=None, help="time_attribution.py's case folder (bench_llama4x256_clt1024)")
-    ap.add_argument("--batch-sizes", type=int, nargs="*", default=[128, 256, 512])
+    ap.add_argument("--batch-sizes", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--n-prompts", type=int, default=16)
     ap.add_argument("--tiny", action="store_true", help="without --case: a 2-block, 64-wide smoke case")
@@ -119,7 +119,8 @@ def main():
     many, graphs = timed(lambda: attribute(model, prompts, tc, batch_size=args.batch_sizes[-1]))
     rows.append((f"{len(prompts)} prompts in one call, first (compiles)", f"{first:.3f} s", ""))
     rows.append((f"{len(prompts)} prompts in one call", f"{many:.3f} s",
-                 f"{sum(g.n_features for g in graphs)} features in all"))
+                 f"{sum(g.n_features for g in graphs)} features in all; "
+                 f"{many / (len(prompts) * best):.2f} x {len(prompts)} one-prompt runs"))
     timing = case.get("benchmark", {}).get("timing")
     if timing:
         ct = timing["best_seconds"]

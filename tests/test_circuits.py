@@ -376,13 +376,72 @@ def test_programs_that_skip_blocks_and_positions_give_the_same_graph():
     np.testing.assert_allclose(parts.adjacency, one.adjacency, rtol=0, atol=2e-6 * np.abs(one.adjacency).max())
 
 
-def test_several_prompts_in_one_call():
-    model, tok, tc, g = graph_of("llama_plt_relu")
-    spec = case("llama_plt_relu")[0]
-    other = list(reversed(spec["prompt_ids_given"]))
-    graphs = attribute(model, [spec["prompt_ids_given"], other], tc, tokenizer=tok,
+def test_prompts_of_different_lengths_in_one_call():
+    """A list of prompts is padded on the right to the longest and runs as one batch; each graph is the prompt's
+    own (its positions only) and equals the prompt attributed alone."""
+    model, tok, tc, g = graph_of("llama_clt_relu_skip")
+    spec = case("llama_clt_relu_skip")[0]
+    short = list(reversed(spec["prompt_ids_given"]))[:-3]
+    graphs = attribute(model, [short, spec["prompt_ids_given"]], tc, tokenizer=tok,
                        batch_size=spec["settings"]["batch_size"])
-    alone = attribute(model, other, tc, tokenizer=tok, batch_size=spec["settings"]["batch_size"])
-    for a, b in ((graphs[0], g), (graphs[1], alone)):
+    alone = attribute(model, short, tc, tokenizer=tok, batch_size=spec["settings"]["batch_size"])
+    assert graphs[0].n_pos == alone.n_pos < graphs[1].n_pos
+    for a, b in ((graphs[0], alone), (graphs[1], g)):
+        np.testing.assert_array_equal(a.input_tokens, b.input_tokens)
         np.testing.assert_array_equal(a.active_features, b.active_features)
+        np.testing.assert_array_equal(a.logit_token_ids, b.logit_token_ids)
+        np.testing.assert_allclose(a.logit_probabilities, b.logit_probabilities, rtol=1e-5, atol=1e-7)
+        assert a.adjacency.shape == b.adjacency.shape
         np.testing.assert_allclose(a.adjacency, b.adjacency, rtol=0, atol=1e-6 * np.abs(b.adjacency).max())
+
+
+@pytest.mark.parametrize("name", ["llama_clt_relu_skip", "llama_plt_relu_maxnodes"])
+def test_top_edges_per_row(name, tmp_path):
+    """``edges_per_row``: with room for every nonzero the sparse graph is the dense one (its entries, pruning,
+    scores, JSON, files); with fewer, each row keeps exactly its largest edges of the dense row, with the dense
+    row's full sum of magnitudes."""
+    from jstd.circuits.graph import SparseAdjacency
+
+    spec, _, _ = case(name)
+    model, tok, tc, g = graph_of(name)
+    s = spec["settings"]
+    kw = dict(targets=None, max_n_logits=s["max_n_logits"], desired_logit_prob=s["desired_logit_prob"],
+              max_feature_nodes=s["max_feature_nodes"], batch_size=s["batch_size"],
+              update_interval=s["update_interval"], tokenizer=tok)
+    dense = g.adjacency
+    scale = np.abs(dense).max()
+    every = attribute(model, spec["prompt_ids_given"], tc, edges_per_row=dense.shape[1], **kw)
+    A = every.adjacency
+    assert isinstance(A, SparseAdjacency)
+    np.testing.assert_array_equal(every.selected_features, g.selected_features)
+    np.testing.assert_allclose(A.toarray(), dense, rtol=0, atol=1e-6 * scale)
+    np.testing.assert_allclose(A.row_abs_sums, np.abs(dense).sum(1), rtol=1e-5, atol=1e-6 * scale)
+    want, got = prune(g, s["node_threshold"], s["edge_threshold"]), prune(every, s["node_threshold"],
+                                                                          s["edge_threshold"])
+    np.testing.assert_array_equal(got.node_mask, want.node_mask)
+    np.testing.assert_array_equal(got.edge_mask.toarray(), want.edge_mask)
+    np.testing.assert_allclose(got.cumulative_scores, want.cumulative_scores, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(graph_scores(every), graph_scores(g), rtol=1e-5)
+    mine, ref = (frontend_json(x, "s", node_threshold=s["node_threshold"], edge_threshold=s["edge_threshold"])
+                 for x in (every, g))
+    assert [n["node_id"] for n in mine["nodes"]] == [n["node_id"] for n in ref["nodes"]]
+    assert [(e["source"], e["target"]) for e in mine["links"]] == [(e["source"], e["target"]) for e in ref["links"]]
+    loaded = Graph.load(every.save(tmp_path / "g")).adjacency
+    np.testing.assert_array_equal(loaded.toarray(), A.toarray())
+    np.testing.assert_array_equal(loaded.row_abs_sums, A.row_abs_sums)
+
+    few_graph = attribute(model, spec["prompt_ids_given"], tc, edges_per_row=3, **kw)
+    few = few_graph.adjacency
+    assert few.nnz <= 3 * few.shape[0] and few.nnz < np.count_nonzero(dense)
+    assert prune(few_graph).node_mask[-g.n_logits:].all()
+    if not np.array_equal(few_graph.selected_features, g.selected_features):
+        # with max_feature_nodes the visiting order ranks influence through the kept edges: other features may win
+        assert s["max_feature_nodes"] is not None and few_graph.n_features == g.n_features
+        return
+    np.testing.assert_allclose(few.row_abs_sums, A.row_abs_sums, rtol=1e-6)
+    for t in range(dense.shape[0]):
+        kept = few.indices[few.indptr[t]:few.indptr[t + 1]]
+        np.testing.assert_allclose(few.data[few.indptr[t]:few.indptr[t + 1]], dense[t, kept], atol=1e-6 * scale)
+        third = np.sort(np.abs(dense[t]))[::-1][min(2, dense.shape[1] - 1)]
+        assert len(kept) == min(3, np.count_nonzero(dense[t]))
+        assert (np.abs(dense[t, kept]) >= third - 1e-6 * scale).all()

@@ -7,7 +7,7 @@ browser page (``view``, also ``jstd.view``) of a graph."""
 from jstd.circuits.attribute import attribute, prompt_tokens
 from jstd.circuits.files import find_transcoders, from_saes, load_transcoders, save_transcoders
 from jstd.circuits.frontend import frontend_json, write_frontend
-from jstd.circuits.graph import Graph
+from jstd.circuits.graph import Graph, SparseAdjacency
 from jstd.circuits.interventions import frozen_effect, intervene
 from jstd.circuits.paths import GraphPath, top_path
 from jstd.circuits.prune import Pruned, graph_scores, prune
@@ -18,7 +18,7 @@ from jstd.circuits.transcoders import Transcoders
 from jstd.circuits.display import plot_graph, view
 
 __all__ = ["Transcoders", "load_transcoders", "save_transcoders", "find_transcoders", "from_saes", "attribute",
-           "prompt_tokens", "Graph", "prune", "Pruned", "graph_scores", "frontend_json", "write_frontend",
-           "intervene", "frozen_effect", "train_clt", "TrainedCLT", "qk_attribution", "QK", "head_loadings",
+           "prompt_tokens", "Graph", "SparseAdjacency", "prune", "Pruned", "graph_scores", "frontend_json",
+           "write_frontend", "intervene", "frozen_effect", "train_clt", "TrainedCLT", "qk_attribution", "QK", "head_loadings",
            "qk_graph", "QKGraph", "graph_json_extras", "aggregate_edges", "EdgeTable", "node_keys", "top_path", "GraphPath",
            "view", "plot_graph"]

@@ -11,22 +11,26 @@ computes it (Ameisen et al. 2025), from jstd's own forward.
    up to ``max_n_logits``, the shortest prefix whose cumulative probability reaches ``desired_logit_prob``; each
    reads the demeaned unembedding ``W_U[:, v] - mean_u W_U[:, u]`` at the final norm's output.
 4. Edges are direct effects in the local replacement model (``jstd.circuits.replacement``), computed for
-   ``batch_size`` targets at a time by one compiled program (a ``vmap`` over one ``vjp``'s cotangents): logit rows
-   first, then feature rows — every feature, or with ``max_feature_nodes`` the most influential ones, visited in
+   ``batch_size`` targets at a time by one compiled program (a ``vmap`` over one ``vjp``'s cotangents) and
+   contracted with the sources by a second one on the device (``source_columns``): logit rows first, then feature
+   rows — every feature, or with ``max_feature_nodes`` the most influential ones, visited in
    circuit-tracer's order (after each ``update_interval · batch_size`` rows the features not yet visited are
    re-ranked by their influence on the logits through the rows computed so far).
+5. Several prompts in one call are padded on the right to one length and share every compiled program; each
+   graph is its prompt's own. ``edges_per_row`` keeps each row's largest edges (``SparseAdjacency``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jstd.circuits.graph import Graph
-from jstd.circuits.replacement import direct_effects, prompt_values
+from jstd.circuits.graph import Graph, SparseAdjacency
+from jstd.circuits.replacement import prompt_values, source_columns, target_gradients
 from jstd.circuits.transcoders import Transcoders
 
 ZERO_POSITIONS = 1  # the BOS position carries no feature or error node
@@ -128,53 +132,99 @@ def _check(model, tc: Transcoders):
                          f"{tc.input_hook} / {tc.output_hook})")
 
 
-def _bucket(k: int) -> int:
-    return max(8, 1 << (max(k, 1) - 1).bit_length())
+def _slots(k: int) -> int:
+    """A block's slot count rounded up (powers of two to 32, then multiples of 32): few distinct shapes, little
+    padding."""
+    return max(8, 1 << (max(k, 1) - 1).bit_length()) if k <= 32 else -(-k // 32) * 32
 
 
 class _Sources:
-    """The prompt's sources laid out per (block, position) for ``direct_effects``, and the gather that turns its
-    per-slot results into feature columns."""
+    """The prompt's sources laid out per block and position for ``source_columns``: block ``lo`` holds ``[n, K_lo,
+    d]``, the activation-scaled vectors of the features writing there (slot = rank among those at the same
+    position, in active order), and ``columns [A, L]`` each feature's flat slot per block (``Σ n·K_lo``: none).
+    ``min_slots``: per-block lower bounds (prompts of one call share shapes); ``A`` is ``n_active`` rounded up to a
+    multiple of 256 (the extra columns are zero)."""
 
-    def __init__(self, tc: Transcoders, acts: np.ndarray, min_slots: int = 1):
+    def __init__(self, tc: Transcoders, acts: np.ndarray, min_slots: tuple[int, ...] | None = None,
+                 min_width: int = 0):
         L, n, _ = acts.shape
         layer, pos, feat = np.nonzero(acts)
         self.active = np.stack([layer, pos, feat], 1).astype(np.int64)
         self.values = acts[layer, pos, feat].astype(np.float32)
         vectors = tc.decoder_vectors(layer, feat) * self.values[:, None, None]  # [n_active, L, d]
         writes = np.arange(L)[None, :] >= layer[:, None] if tc.cross_layer else np.arange(L)[None, :] == layer[:, None]
-        K, U = min_slots, None
-        flat = np.full((len(layer), L), 0, np.int64)
         slot = np.zeros((len(layer), L), np.int64)
+        K = []
         for lo in range(L):  # each feature's slot among those writing at (lo, its position), in active order
             at = np.nonzero(writes[:, lo])[0]
             order = np.argsort(pos[at], kind="stable")
             first = np.searchsorted(pos[at][order], pos[at][order], side="left")
             slot[at[order], lo] = np.arange(len(at)) - first
-            if len(at):
-                K = max(K, int(slot[at, lo].max()) + 1)
-        K = self.K = _bucket(K)
-        U = np.zeros((L, n, K, tc.d_out), np.float32)
-        flat[:] = L * n * K  # the zero column appended in ``columns``
+            K.append(_slots(int(slot[at, lo].max()) + 1 if len(at) else 1))
+        if min_slots is not None:
+            K = [max(a, b) for a, b in zip(K, min_slots)]
+        self.K = tuple(K)
+        offsets = np.concatenate([[0], np.cumsum([n * k for k in K])])
+        self.U = []
+        A = max(-(-max(len(layer), 1) // 256) * 256, min_width)
+        columns = np.full((A, L), offsets[-1], np.int64)
         for lo in range(L):
             at = np.nonzero(writes[:, lo])[0]
-            U[lo, pos[at], slot[at, lo]] = vectors[at, lo]
-            flat[at, lo] = (lo * n + pos[at]) * K + slot[at, lo]
-        self.U = U
-        self.flat = flat
-
-    def columns(self, c: np.ndarray) -> np.ndarray:
-        """``[B, n_active]`` feature columns from ``direct_effects``' per-slot ``[B, L, n, K]``."""
-        B = c.shape[0]
-        padded = np.concatenate([c.reshape(B, -1), np.zeros((B, 1), c.dtype)], 1)
-        return padded[:, self.flat].sum(-1)
+            U = np.zeros((n, K[lo], tc.d_out), np.float32)
+            U[pos[at], slot[at, lo]] = vectors[at, lo]
+            self.U.append(U)
+            columns[at, lo] = offsets[lo] + pos[at] * K[lo] + slot[at, lo]
+        self.columns = columns
 
 
-def _influences(edge_rows: np.ndarray, logit_p: np.ndarray, row_nodes: np.ndarray, max_iter: int = 128):
+@functools.partial(jax.jit, static_argnames="e")
+def top_edges(rows, e: int):
+    """Each row's ``e`` entries largest in magnitude (largest first) with their columns, and ``Σ |row|``."""
+    _, columns = jax.lax.top_k(jnp.abs(rows), e)
+    return jnp.take_along_axis(rows, columns, 1), columns, jnp.abs(rows).sum(1)
+
+
+def _sliced(edge, st: int, total: int):
+    """The first ``st`` top-edge rows as a csr_array ``[st, total]`` (for ``_influences``)."""
+    from scipy.sparse import csr_array
+
+    values, cols, _ = (a[:st] for a in edge)
+    hit = (cols >= 0) & (values != 0)
+    return csr_array((values[hit], (np.nonzero(hit)[0], cols[hit])), shape=(st, total))
+
+
+def _sparse_adjacency(edge, order, selected, n_active: int, keep: int, total: int) -> SparseAdjacency:
+    """The ``SparseAdjacency`` of the top-edge rows (``order``: feature rows in active order, then the logits),
+    columns of the features not selected dropped and the rest renumbered as the dense graph's."""
+    values, cols, sums = (a[order] for a in edge)
+    new_column = np.full(total, -1, np.int64)
+    new_column[selected] = np.arange(len(selected))
+    new_column[n_active:] = np.arange(n_active, total) - n_active + len(selected)
+    renumbered = np.where(cols >= 0, new_column[np.maximum(cols, 0)], -1)
+    # a row's sum over the graph's columns: less its kept edges from features that did not become nodes
+    sums = sums - np.where((cols >= 0) & (renumbered < 0), np.abs(values), 0).sum(1, dtype=np.float32)
+    cols = renumbered
+    hit = (cols >= 0) & (values != 0)
+    N = total - n_active + len(selected)
+    k = len(order) - keep
+    counts = np.zeros(N, np.int64)
+    counts[:keep] = hit[:keep].sum(1)
+    counts[N - k:] = hit[keep:].sum(1)
+    row_sums = np.zeros(N, np.float32)
+    row_sums[:keep], row_sums[N - k:] = sums[:keep], sums[keep:]
+    return SparseAdjacency(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), cols[hit].astype(np.int64),
+                           values[hit].astype(np.float32), row_sums, (N, N))
+
+
+def _influences(edge_rows, logit_p: np.ndarray, row_nodes: np.ndarray, max_iter: int = 128, row_sums=None):
     """circuit-tracer's ``compute_partial_influences``: influence of every node on the logits through the rows
     computed so far (power iteration on the row-normalised |rows|)."""
-    W = np.abs(edge_rows).astype(np.float32)
-    W /= np.maximum(W.sum(1, keepdims=True), np.float32(1e-8))
+    if hasattr(edge_rows, "tocsr"):  # top edges: |values| over their rows' full sums
+        W = abs(edge_rows).astype(np.float32)
+        W = W.multiply(1 / np.maximum(row_sums, np.float32(1e-8))[:, None]).tocsr()
+    else:
+        W = np.abs(edge_rows).astype(np.float32)
+        W /= np.maximum(W.sum(1, keepdims=True), np.float32(1e-8))
     influence = np.zeros(edge_rows.shape[1], np.float32)
     prod = np.zeros(edge_rows.shape[1], np.float32)
     prod[-len(logit_p):] = logit_p
@@ -188,100 +238,147 @@ def _influences(edge_rows: np.ndarray, logit_p: np.ndarray, row_nodes: np.ndarra
 
 def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_logits: int = 10,
               desired_logit_prob: float = 0.95, max_feature_nodes: int | None = None, batch_size: int = 256,
-              update_interval: int = 4, tokenizer=None) -> Graph | list[Graph]:
+              update_interval: int = 4, tokenizer=None, edges_per_row: int | None = None) -> Graph | list[Graph]:
     """The attribution graph (``jstd.circuits.Graph``) of ``inputs`` through ``transcoders`` (module docstring).
 
     inputs: a prompt (a string with ``tokenizer=``, or token ids ``[n]``) or a list of prompts (a list of graphs
-        back; the compiled programs are shared, so 16 prompts of one length compile once).
+        back, in order). The prompts of one call are padded on the right to the longest (with id 0; the model is
+        causal, so nothing at a real position sees the padding) and run their forwards as one batch; every
+        compiled program is shared, so a call compiles once whatever its prompts' lengths. Each prompt's graph is
+        its own (its ``n`` positions, no padding node) and equals the graph of the prompt alone within float32
+        rounding.
     targets: None (salient logits), token ids, token strings (one token each, with ``tokenizer=``), or custom
         directions ``[(label, weight, vector [d]), ...]`` (virtual ids ``vocab_size + i``; the vector read at the
-        final norm's output as given).
+        final norm's output as given); the same for every prompt of a list.
     max_feature_nodes: keep at most this many feature nodes (the most influential, circuit-tracer's order).
     batch_size: targets per compiled backward (memory ``batch_size · L · n · d`` floats; results do not depend
         on it). tokenizer: for text, the BOS rule, target strings and labels (``jstd.load_processor``).
+    edges_per_row: None (a dense adjacency), or keep each row's ``edges_per_row`` largest edges by magnitude (chosen
+        on the device, batch by batch, so no dense row block reaches the host): ``graph.adjacency`` is then a
+        ``SparseAdjacency`` of at most ``N · edges_per_row`` entries with each row's full ``Σ |A|`` (see
+        ``jstd.circuits.prune`` for what pruning then computes; with ``max_feature_nodes`` below the active
+        count, a row's sum leaves out its kept edges from features that did not become nodes, but still counts
+        the dropped ones, and the visiting order ranks influence through the kept edges, so other features may
+        become nodes than in the dense graph).
 
     Exact as circuit-tracer within float32 rounding (tests/test_circuits.py compares every entry). Raises
     ValueError for transcoders that do not fit the model, bad prompts or targets.
     """
-    settings = dict(targets=targets, max_n_logits=max_n_logits, desired_logit_prob=desired_logit_prob,
-                    max_feature_nodes=max_feature_nodes, batch_size=batch_size, update_interval=update_interval,
-                    tokenizer=tokenizer)
-    several = isinstance(inputs, (list, tuple)) and inputs and not isinstance(inputs[0], (int, np.integer))
-    if several or (isinstance(inputs, np.ndarray) and inputs.ndim == 2):
-        # one slot count for every prompt, so prompts of one length share every compiled program
-        slots = max(_Sources(transcoders, _activations(model, transcoders, prompt_tokens(
-            p, tokenizer, model.config.vocab_size))).K for p in inputs)
-        return [_attribute(model, p, transcoders, slots, **settings) for p in inputs]
-    return _attribute(model, inputs, transcoders, 1, **settings)
-
-
-def _activations(model, tc: Transcoders, ids: np.ndarray) -> np.ndarray:
-    _check(model, tc)
-    v = prompt_values(model, jnp.asarray(ids[None], jnp.int32), tc.input_site, tc.output_site)
-    return np.asarray(tc.encode(v["x"][:, 0].astype(jnp.float32)).at[:, :ZERO_POSITIONS].set(0))
-
-
-def _attribute(model, inputs, transcoders: Transcoders, min_slots: int, *, targets, max_n_logits, desired_logit_prob,
-               max_feature_nodes, batch_size, update_interval, tokenizer) -> Graph:
     tc = transcoders
     _check(model, tc)
     if batch_size < 1 or update_interval < 1:
         raise ValueError(f"attribute: batch_size ({batch_size}) and update_interval ({update_interval}) must be >= 1")
+    several = isinstance(inputs, (list, tuple)) and inputs and not isinstance(inputs[0], (int, np.integer))
+    several = several or (isinstance(inputs, np.ndarray) and inputs.ndim == 2)
+    prompts = list(inputs) if several else [inputs]
+    ids = [prompt_tokens(p, tokenizer, model.config.vocab_size) for p in prompts]
+    N = max(len(i) for i in ids)
+    tokens = np.zeros((len(ids), N), np.int32)  # right padding: id 0 after each prompt's end
+    for g, i in enumerate(ids):
+        tokens[g, :len(i)] = i
+    v = prompt_values(model, jnp.asarray(tokens), tc.input_site, tc.output_site)
+    x = v["x"].astype(jnp.float32)
+    acts = tc.encode(x).at[:, :, :ZERO_POSITIONS].set(0)
+    errors = (v["y"].astype(jnp.float32) - (tc.decode(acts) + tc.skip(x))).at[:, :, :ZERO_POSITIONS].set(0)
+    real = jnp.asarray(np.arange(N)[None, :] < np.asarray([len(i) for i in ids])[:, None])[None, :, :, None]
+    acts, errors = np.asarray(jnp.where(real, acts, 0)), jnp.where(real, errors, 0)
+    sources = [_Sources(tc, acts[:, g]) for g in range(len(ids))]
+    slots = tuple(max(s.K[lo] for s in sources) for lo in range(tc.num_layers))
+    width = max(s.columns.shape[0] for s in sources)
+    if len(ids) > 1:  # one set of shapes for every prompt, so every compiled program is shared
+        sources = [_Sources(tc, acts[:, g], slots, width) for g in range(len(ids))]
+    if edges_per_row is not None and edges_per_row < 1:
+        raise ValueError(f"attribute: edges_per_row ({edges_per_row}) must be >= 1, or None for a dense adjacency")
+    settings = dict(targets=targets, max_n_logits=max_n_logits, desired_logit_prob=desired_logit_prob,
+                    max_feature_nodes=max_feature_nodes, batch_size=batch_size, update_interval=update_interval,
+                    tokenizer=tokenizer, edges_per_row=edges_per_row)
+    logits = np.asarray(v["logits"][np.arange(len(ids)), [len(i) - 1 for i in ids]])
+    graphs = [_attribute(model, tc, ids[g], jnp.asarray(tokens[g:g + 1]), sources[g], errors[:, g],
+                         v["embeddings"][g].astype(jnp.float32), logits[g], **settings) for g in range(len(ids))]
+    return graphs if several else graphs[0]
+
+
+def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, errors, token_vectors, logits_last, *,
+               targets, max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval,
+               tokenizer, edges_per_row) -> Graph:
+    """One prompt's graph: ``ids [n]``, ``tokens [1, N]`` (padded on the right to ``N >= n``), its sources and
+    ``errors [L, N, d]``, ``token_vectors [N, d]`` (zeros and ignored past ``n``)."""
     vocab = tokenizer.vocab_size if tokenizer is not None else model.config.vocab_size
-    ids = prompt_tokens(inputs, tokenizer, model.config.vocab_size)
-    tokens = jnp.asarray(ids[None], jnp.int32)
-    L, n = tc.num_layers, len(ids)
-    v = prompt_values(model, tokens, tc.input_site, tc.output_site)
-    x = v["x"][:, 0].astype(jnp.float32)
-    acts = tc.encode(x).at[:, :ZERO_POSITIONS].set(0)
-    errors = (v["y"][:, 0].astype(jnp.float32) - (tc.decode(acts) + tc.skip(x))).at[:, :ZERO_POSITIONS].set(0)
-    acts = np.asarray(acts)
-    src = _Sources(tc, acts, min_slots)
+    L, n, N = tc.num_layers, len(ids), tokens.shape[1]
     n_active = len(src.values)
-    token_vectors = v["embeddings"][0].astype(jnp.float32)
-    t_ids, t_probs, t_vecs, t_labels = logit_targets(model, np.asarray(v["logits"][0, -1]), targets, max_n_logits,
-                                                    desired_logit_prob, tokenizer, vocab)
+    t_ids, t_probs, t_vecs, t_labels = logit_targets(model, logits_last, targets, max_n_logits, desired_logit_prob,
+                                                    tokenizer, vocab)
     k = len(t_ids)
     enc = np.asarray(tc.W_enc, np.float32)
-    U, E = jnp.asarray(src.U), errors
+    U, E, T, columns = tuple(jnp.asarray(u) for u in src.U), errors, token_vectors, jnp.asarray(src.columns)
+    # the prompt's own columns among source_columns' [A | L·N | N]
+    A = src.columns.shape[0]
+    keep_columns = np.concatenate([np.arange(n_active), A + (np.arange(L)[:, None] * N + np.arange(n)).reshape(-1),
+                                   A + L * N + np.arange(n)])
 
     # Programs that skip what a batch cannot reach, once enough rows share them (small graphs use one program):
     # a batch of features read before block D runs only the first D blocks (circuit-tracer, too, backpropagates
     # from the deepest layer in a batch), and one whose targets lie at positions < P only the first P positions
     # (a causal model: nothing later reaches them; P rounded up to a quarter of the prompt, so at most 4 lengths).
     by_depth = n_active > 4 * batch_size
-    lengths = sorted({-(-n * i // 4) for i in range(1, 5)}) if by_depth and n >= 16 else [n]
-    cut = {P: (tokens[:, :P], U[:, :P], E[:, :P], token_vectors[:P]) for P in lengths}
+    lengths = sorted({-(-N * i // 4) for i in range(1, 5)}) if by_depth and N >= 16 else [N]
 
     def rows(layers, positions, vectors):
-        """The source columns ``[m, n_active + L·n + n]`` of targets, ``batch_size`` at a time."""
+        """The rows ``[m, n_active + L·n + n]`` of targets against the prompt's sources, ``batch_size`` at a time:
+        every batch is dispatched before the first is read back (the device runs ahead of the host). With
+        ``edges_per_row``: ``(values [m, e], columns [m, e], Σ|row| [m])``, each row's top edges by magnitude."""
         out = []
-        for s in range(0, len(layers), batch_size):
-            m = min(batch_size, len(layers) - s)
+        order = np.lexsort((positions, layers))  # by block, then position: batches that share a depth and length
+        layers, positions, vectors = layers[order], positions[order], vectors[order]
+        cuts = list(np.flatnonzero(np.diff(layers)) + 1) if by_depth else []  # no batch straddles two blocks
+        starts = [s for a, b in zip([0] + cuts, cuts + [len(layers)]) for s in range(a, b, batch_size)]
+        ends = starts[1:] + [len(layers)]
+        for s, e in zip(starts, ends):
+            m = e - s
             depth = min(int(layers[s:s + m].max()) + 1, L) if by_depth else L
             P = next(P for P in lengths if P > int(positions[s:s + m].max()))
             pad = lambda a: np.concatenate([a[s:s + m], np.zeros((batch_size - m,) + a.shape[1:], a.dtype)])
-            toks, U_P, E_P, T_P = cut[P]
-            c, ce, ct = direct_effects(model, toks, tc, jnp.asarray(pad(layers), jnp.int32),
-                                       jnp.asarray(pad(positions), jnp.int32), jnp.asarray(pad(vectors)), U_P, E_P,
-                                       T_P, depth=depth)
-            c, ce, ct = np.asarray(c)[:m], np.asarray(ce)[:m], np.asarray(ct)[:m]
-            D = c.shape[1]
-            full = np.zeros((m, L, n) + c.shape[3:], c.dtype)
-            full[:, :D, :P] = c
-            errs = np.zeros((m, L, n), ce.dtype)
-            errs[:, :D, :P] = ce
-            toks_cols = np.zeros((m, n), ct.dtype)
-            toks_cols[:, :P] = ct
-            out.append(np.concatenate([src.columns(full), errs.reshape(m, L * n), toks_cols], 1))
-        return np.concatenate(out) if out else np.zeros((0, n_active + (L + 1) * n), np.float32)
+            g_y, g_e = target_gradients(model, tokens[:, :P], tc, jnp.asarray(pad(layers), jnp.int32),
+                                        jnp.asarray(pad(positions), jnp.int32), jnp.asarray(pad(vectors)),
+                                        depth=depth)
+            # a feature target of block l reads nothing from block l's MLP output or later ones
+            reach = int(layers[s:s + m].max())
+            reach = reach if reach < L else None
+            c = source_columns(g_y, g_e, U, E, T, columns, reach=reach)
+            out.append((m, c if edges_per_row is None else top_edges(c, min(edges_per_row, c.shape[1]))))
+        back = np.argsort(order)
+        if edges_per_row is None:
+            if not out:
+                return np.zeros((0, n_sources), np.float32)
+            return np.concatenate([np.asarray(c)[:m] for m, c in out])[back][:, keep_columns]
+        e = min(edges_per_row, src.columns.shape[0] + (L + 1) * N)
+        if not out:
+            return np.zeros((0, e), np.float32), np.zeros((0, e), np.int64), np.zeros(0, np.float32)
+        values, cols, sums = (np.concatenate([np.asarray(c[i])[:m] for m, c in out])[back] for i in range(3))
+        return values, prompt_column[cols], sums
 
     n_sources = n_active + (L + 1) * n
     total = n_sources + k
     keep = n_active if max_feature_nodes is None else max(0, min(int(max_feature_nodes), n_active))
-    edge = np.zeros((keep + k, total), np.float32)
+    sparse = edges_per_row is not None
+    if sparse:  # source_columns' padded column -> the prompt's column (-1: padding, always 0)
+        prompt_column = np.full(src.columns.shape[0] + (L + 1) * N, -1, np.int64)
+        prompt_column[keep_columns] = np.arange(n_sources)
+        width = min(edges_per_row, len(prompt_column))
+        edge = (np.zeros((keep + k, width), np.float32), np.full((keep + k, width), -1, np.int64),
+                np.zeros(keep + k, np.float32))
+    else:
+        edge = np.zeros((keep + k, total), np.float32)
+
+    def put(at, got):
+        if sparse:
+            for part, g in zip(edge, got):
+                part[at] = g
+        else:
+            edge[at, :n_sources] = got
+
     row_nodes = np.zeros(keep + k, np.int64)
-    edge[:k, :n_sources] = rows(np.full(k, L), np.full(k, n - 1), t_vecs.astype(np.float32))
+    put(slice(0, k), rows(np.full(k, L), np.full(k, n - 1), t_vecs.astype(np.float32)))
     row_nodes[:k] = np.arange(k) + n_sources
     visited = np.zeros(n_active, bool)
     st, n_visited = k, 0
@@ -290,23 +387,28 @@ def _attribute(model, inputs, transcoders: Transcoders, min_slots: int, *, targe
         if keep == n_active:
             pending = np.arange(n_active)
         else:
-            influence = _influences(edge[:st], t_probs, row_nodes[:st])
+            influence = (_influences(_sliced(edge, st, total), t_probs, row_nodes[:st], row_sums=edge[2][:st])
+                         if sparse else _influences(edge[:st], t_probs, row_nodes[:st]))
             rank = np.argsort(-influence[:n_active], kind="stable")
             pending = rank[~visited[rank]][:min(update_interval * batch_size, keep - n_visited)]
         got = rows(f_layer[pending], f_pos[pending], enc[f_layer[pending], f_feat[pending]])
-        edge[st:st + len(pending), :n_sources] = got
+        put(slice(st, st + len(pending)), got)
         row_nodes[st:st + len(pending)] = pending
         visited[pending] = True
         st += len(pending)
         n_visited += len(pending)
     selected = np.nonzero(visited)[0]
-    if keep < n_active:
-        edge = edge[:, np.concatenate([selected, np.arange(n_active, total)])]
-    edge = edge[np.argsort(row_nodes, kind="stable")]
-    N = edge.shape[1]
-    A = np.zeros((N, N), np.float32)
-    A[:keep] = edge[:keep]
-    A[N - k:] = edge[keep:]
+    order = np.argsort(row_nodes, kind="stable")  # feature rows in active order, then the logits
+    if sparse:
+        A = _sparse_adjacency(edge, order, selected, n_active, keep, total)
+    else:
+        if keep < n_active:
+            edge = edge[:, np.concatenate([selected, np.arange(n_active, total)])]
+        edge = edge[order]
+        N = edge.shape[1]
+        A = np.zeros((N, N), np.float32)
+        A[:keep] = edge[:keep]
+        A[N - k:] = edge[keep:]
     strings = None if tokenizer is None else [tokenizer.decode([int(t)]) for t in ids]
     return Graph(A, src.active, src.values, selected.astype(np.int64), ids, t_ids, t_probs, t_vecs, L, int(vocab),
                  t_labels, tc.scan, None if tokenizer is None else tokenizer.decode([int(t) for t in ids]), strings)

@@ -68,9 +68,10 @@ def frontend_json(graph: Graph, slug: str, *, node_threshold: float = 0.8, edge_
             prob = float(graph.logit_probabilities[k])
             nodes[i] = _node(f"{L + 1}_{v}_{n - 1}", v, str(L + 1), n - 1, "logit", f"L_{v}-{n - 1}",
                              token_prob=prob, target=k == 0, clerp=f'Output "{graph.logit_strings[k]}" (p={prob:.3f})')
-    dsts, srcs = np.nonzero(edge_mask)
-    links = [{"source": nodes[s]["node_id"], "target": nodes[t]["node_id"], "weight": float(graph.adjacency[t, s])}
-             for s, t in zip(srcs, dsts) if s in nodes and t in nodes]
+    dsts, srcs = edge_mask.nonzero()  # a dense or a scipy.sparse mask (a SparseAdjacency's graph)
+    weights = np.asarray(graph.adjacency[dsts, srcs], np.float32).reshape(-1)
+    links = [{"source": nodes[s]["node_id"], "target": nodes[t]["node_id"], "weight": float(a)}
+             for s, t, a in zip(srcs, dsts, weights) if s in nodes and t in nodes]
     connected = {e["source"] for e in links} | {e["target"] for e in links}
     used = [v for v in nodes.values() if v["node_id"] in connected or v["feature_type"] in ("embedding", "logit")]
     metadata = {"slug": slug, "scan": scan, "transcoder_list": [], "prompt_tokens": list(graph.prompt_tokens),

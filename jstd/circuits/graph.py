@@ -6,10 +6,12 @@ layer-major (block 0: positions 0..n-1, block 1: …) | tokens 0..n-1 | logit ta
 on a feature, its pre-activation minus ``b_enc``; on a logit target, the demeaned logit (or the custom
 direction's value) at the final norm's output. Rows of errors and tokens and columns of logits are zero.
 
-``adjacency`` is a dense ``float32 [N, N]`` array: at 10⁵ features that is 40 GB, so large prompts bound the
-feature nodes (``max_feature_nodes``, circuit-tracer's own answer: the ``N`` features most influential on the
-logits, visited in influence order) — the dense matrix of the graph that is kept; the skipped features' effects
-are left out, not moved to errors.
+``adjacency`` is a dense ``float32 [N, N]`` array, or with ``jstd.attribute(..., edges_per_row=k)`` a
+``SparseAdjacency``: each row's ``k`` largest edges by magnitude (CSR), with each row's full ``Σ |A[t, :]|`` kept
+beside them so that pruning's row-normalised weights of the kept edges are the dense graph's. At 10⁵ features the
+dense matrix is 40 GB; ``N · k`` entries are not. Large prompts may also bound the feature nodes
+(``max_feature_nodes``, circuit-tracer's own answer: the features most influential on the logits, visited in
+influence order); the skipped features' effects are left out, not moved to errors.
 """
 
 from __future__ import annotations
@@ -28,14 +30,61 @@ from jstd.io.staging import atomic
 ARRAYS = ("adjacency", "active_features", "activation_values", "selected_features", "input_tokens",
           "logit_token_ids", "logit_probabilities", "logit_vectors")
 META = ("num_layers", "vocab_size", "logit_strings", "scan", "input_string", "prompt_tokens")
+SPARSE = ("indptr", "indices", "data", "row_abs_sums")
 GRAPH_FILE, META_FILE = "graph.safetensors", "graph_meta.json"
+
+
+@dataclasses.dataclass
+class SparseAdjacency:
+    """An ``[N, N]`` adjacency as the top edges of each row (CSR: row ``t``'s entries are ``data[indptr[t]:
+    indptr[t + 1]]`` at columns ``indices[…]``, largest magnitude first), and ``row_abs_sums [N]``: each row's
+    ``Σ |A[t, s]|`` over every source, the dropped edges included. Entries not kept read as 0 (``toarray``,
+    indexing). ``row_abs_sums`` equals ``toarray()``'s row sums when nothing was dropped."""
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    data: np.ndarray
+    row_abs_sums: np.ndarray
+    shape: tuple[int, int]
+
+    @property
+    def nnz(self) -> int:
+        return len(self.data)
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    def matrix(self):
+        """The kept entries as a ``scipy.sparse.csr_array``."""
+        from scipy.sparse import csr_array
+
+        return csr_array((self.data, self.indices, self.indptr), shape=self.shape)
+
+    def toarray(self) -> np.ndarray:
+        """The dense ``[N, N]`` matrix of the kept entries (zeros elsewhere)."""
+        return self.matrix().toarray()
+
+    def nonzero(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(targets, sources)`` of the nonzero kept entries (``np.nonzero(adjacency)`` works too)."""
+        rows = np.repeat(np.arange(self.shape[0]), np.diff(self.indptr))
+        hit = self.data != 0
+        return rows[hit], self.indices[hit]
+
+    def __getitem__(self, key):
+        """``A[t, s]`` for ints or index arrays (broadcast), 0 where the edge was not kept; ``A[t]``: a dense row."""
+        if not isinstance(key, tuple):
+            return self.matrix()[[int(key)], :].toarray()[0]
+        t, s = np.broadcast_arrays(*(np.asarray(k) for k in key))
+        out = np.asarray(self.matrix()[t.reshape(-1), s.reshape(-1)], self.data.dtype)
+        return out.reshape(t.shape) if t.ndim else out.reshape(()).item()
 
 
 @dataclasses.dataclass
 class Graph:
     """One prompt's attribution graph (see the module docstring for the node order).
 
-    adjacency: ``[N, N] float32``, ``[target, source]``.
+    adjacency: ``[N, N] float32``, ``[target, source]``; or a ``SparseAdjacency`` (``edges_per_row``).
     active_features: ``[n_active, 3] int64`` (block, position, feature) of every active feature, lexicographic.
     activation_values: ``[n_active] float32``. selected_features: ``[n_selected] int64``, indices into
     ``active_features`` of the feature nodes (all unless ``max_feature_nodes``).
@@ -44,7 +93,7 @@ class Graph:
     (what each logit target reads at the final norm's output); logit_strings: their labels.
     """
 
-    adjacency: np.ndarray
+    adjacency: np.ndarray | SparseAdjacency
     active_features: np.ndarray
     activation_values: np.ndarray
     selected_features: np.ndarray
@@ -118,8 +167,13 @@ class Graph:
         """``folder/graph.safetensors`` (the arrays) and ``folder/graph_meta.json`` (the rest), atomically."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        arrays = {k: getattr(self, k) for k in ARRAYS}
+        if isinstance(self.adjacency, SparseAdjacency):
+            a = arrays.pop("adjacency")
+            arrays.update({f"adjacency.{k}": getattr(a, k) for k in SPARSE})
+            arrays["adjacency.shape"] = np.asarray(a.shape, np.int64)
         with atomic(folder / GRAPH_FILE, "wb") as fh:
-            write_tensors(fh, {k: np.ascontiguousarray(getattr(self, k)) for k in ARRAYS})
+            write_tensors(fh, {k: np.ascontiguousarray(v) for k, v in arrays.items()})
         with atomic(folder / META_FILE, "w") as fh:
             json.dump({k: getattr(self, k) for k in META}, fh, indent=1)
         if self.qk is not None:
@@ -136,6 +190,11 @@ class Graph:
             if not (folder / name).exists():
                 raise FileNotFoundError(f"{folder} has no {name}: Graph.save writes {GRAPH_FILE} and {META_FILE}")
         files = SafetensorsFiles(folder / GRAPH_FILE)
-        arrays = {k: np.array(files.mapped(k, lazy=True)) for k in ARRAYS}
+        names = set(files.keys())
+        arrays = {k: np.array(files.mapped(k, lazy=True)) for k in ARRAYS if k in names}
+        if "adjacency" not in names:  # a SparseAdjacency
+            parts = {k: np.array(files.mapped(f"adjacency.{k}", lazy=True)) for k in SPARSE}
+            shape = tuple(int(i) for i in np.array(files.mapped("adjacency.shape", lazy=True)))
+            arrays["adjacency"] = SparseAdjacency(**parts, shape=shape)
         meta = json.loads((folder / META_FILE).read_text())
         return cls(**arrays, **{k: meta.get(k) for k in META}, qk=QKGraph.load(folder))

@@ -140,3 +140,42 @@ def direct_effects(model, tokens, tc: Transcoders, layers, positions, vectors, s
     return (jnp.einsum("blpd,lpkd->blpk", g_y, sources[:D], precision=prec),
             jnp.einsum("blpd,lpd->blp", g_y, errors[:D], precision=prec),
             jnp.einsum("bpd,pd->bp", g_e, token_vectors, precision=prec))
+
+
+@functools.partial(jax.jit, static_argnames="depth")
+def target_gradients(model, tokens, tc: Transcoders, layers, positions, vectors, depth: int | None = None):
+    """``gradients`` compiled: one program per (batch, ``depth``, prompt length), whatever the prompt's sources."""
+    return gradients(model, tokens, tc, layers, positions, vectors, depth)
+
+
+@functools.partial(jax.jit, static_argnames="reach")
+def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, columns, reach: int | None = None):
+    """The rows of a batch of targets against every source, from their gradients (``target_gradients``: ``g_y [B,
+    D, P, d]``, ``g_e [B, P, d]``, of the first ``D`` blocks and ``P`` positions): ``[B, A + L·n + n]`` = feature
+    columns ``[B, A]``, errors ``[B, L·n]`` (block-major), tokens ``[B, n]`` (zeros past ``D`` and ``P``).
+
+    sources: per block ``lo``, ``[n, K_lo, d]`` the (activation-scaled) vectors the features write there, padded
+    with zeros; columns ``[A, L]`` int: feature ``f``'s slot at block ``lo`` in the blocks' flattened ``[n, K_lo]``
+    concatenated (``Σ n·K_lo`` for "none": a zero column), summed over blocks (a cross-layer feature writes at
+    several). errors ``[L, n, d]``, token_vectors ``[n, d]``. On the device, so no gradient reaches the host.
+    reach (static; None: D): only blocks before it are contracted (a batch of feature targets of blocks at most
+    ``reach``: a target of block ``l`` reads nothing from block ``l``'s MLP output or later ones).
+    """
+    B, D, P, _ = g_y.shape
+    D = D if reach is None else min(D, reach)
+    L, n, _ = errors.shape
+    prec = jax.lax.Precision.HIGHEST
+    parts = []
+    for lo, U in enumerate(sources):
+        if lo < D:
+            c = jnp.einsum("bpd,pkd->bpk", g_y[:, lo], U[:P], precision=prec)
+            c = jnp.pad(c, ((0, 0), (0, n - P), (0, 0)))
+        else:
+            c = jnp.zeros((B, n, U.shape[1]), g_y.dtype)
+        parts.append(c.reshape(B, -1))
+    parts.append(jnp.zeros((B, 1), g_y.dtype))
+    features = jnp.concatenate(parts, 1)[:, columns].sum(-1)
+    errs = jnp.einsum("blpd,lpd->blp", g_y[:, :D], errors[:D, :P], precision=prec)
+    errs = jnp.pad(errs, ((0, 0), (0, L - D), (0, n - P))).reshape(B, L * n)
+    toks = jnp.pad(jnp.einsum("bpd,pd->bp", g_e, token_vectors[:P], precision=prec), ((0, 0), (0, n - P)))
+    return jnp.concatenate([features, errs, toks], 1)
