@@ -27,6 +27,7 @@ import numpy as np
 
 from jstd.circuits.graph import Graph
 from jstd.circuits.replacement import direct_effects, prompt_values
+from jstd.circuits.sharding import batch_for, place, place_sources, place_targets
 from jstd.circuits.transcoders import Transcoders
 
 ZERO_POSITIONS = 1  # the BOS position carries no feature or error node
@@ -188,7 +189,7 @@ def _influences(edge_rows: np.ndarray, logit_p: np.ndarray, row_nodes: np.ndarra
 
 def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_logits: int = 10,
               desired_logit_prob: float = 0.95, max_feature_nodes: int | None = None, batch_size: int = 256,
-              update_interval: int = 4, tokenizer=None) -> Graph | list[Graph]:
+              update_interval: int = 4, tokenizer=None, mesh=None, layout="FSDP") -> Graph | list[Graph]:
     """The attribution graph (``jstd.circuits.Graph``) of ``inputs`` through ``transcoders`` (module docstring).
 
     inputs: a prompt (a string with ``tokenizer=``, or token ids ``[n]``) or a list of prompts (a list of graphs
@@ -199,13 +200,18 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
     max_feature_nodes: keep at most this many feature nodes (the most influential, circuit-tracer's order).
     batch_size: targets per compiled backward (memory ``batch_size · L · n · d`` floats; results do not depend
         on it). tokenizer: for text, the BOS rule, target strings and labels (``jstd.load_processor``).
+    mesh, layout: on a ``jax.sharding.Mesh`` (``jstd.sharding.mesh()``), the model and the transcoders placed
+        under ``layout`` (a ``jstd.sharding.LAYOUTS`` name or a rule list) and each batch of targets split over
+        ``data`` (``batch_size`` rounded up to a multiple of it): ``jstd.circuits.sharding``. The same graph.
 
     Exact as circuit-tracer within float32 rounding (tests/test_circuits.py compares every entry). Raises
     ValueError for transcoders that do not fit the model, bad prompts or targets.
     """
     settings = dict(targets=targets, max_n_logits=max_n_logits, desired_logit_prob=desired_logit_prob,
                     max_feature_nodes=max_feature_nodes, batch_size=batch_size, update_interval=update_interval,
-                    tokenizer=tokenizer)
+                    tokenizer=tokenizer, mesh=mesh, layout=layout)
+    if mesh is not None:
+        model, transcoders = place(model, transcoders, mesh, layout)
     several = isinstance(inputs, (list, tuple)) and inputs and not isinstance(inputs[0], (int, np.integer))
     if several or (isinstance(inputs, np.ndarray) and inputs.ndim == 2):
         # one slot count for every prompt, so prompts of one length share every compiled program
@@ -222,11 +228,12 @@ def _activations(model, tc: Transcoders, ids: np.ndarray) -> np.ndarray:
 
 
 def _attribute(model, inputs, transcoders: Transcoders, min_slots: int, *, targets, max_n_logits, desired_logit_prob,
-               max_feature_nodes, batch_size, update_interval, tokenizer) -> Graph:
+               max_feature_nodes, batch_size, update_interval, tokenizer, mesh=None, layout="FSDP") -> Graph:
     tc = transcoders
     _check(model, tc)
     if batch_size < 1 or update_interval < 1:
         raise ValueError(f"attribute: batch_size ({batch_size}) and update_interval ({update_interval}) must be >= 1")
+    batch_size = batch_for(batch_size, mesh)
     vocab = tokenizer.vocab_size if tokenizer is not None else model.config.vocab_size
     ids = prompt_tokens(inputs, tokenizer, model.config.vocab_size)
     tokens = jnp.asarray(ids[None], jnp.int32)
@@ -243,7 +250,7 @@ def _attribute(model, inputs, transcoders: Transcoders, min_slots: int, *, targe
                                                     desired_logit_prob, tokenizer, vocab)
     k = len(t_ids)
     enc = np.asarray(tc.W_enc, np.float32)
-    U, E = jnp.asarray(src.U), errors
+    U, E, token_vectors = place_sources(mesh, src.U, errors, token_vectors, layout)
 
     # Programs that skip what a batch cannot reach, once enough rows share them (small graphs use one program):
     # a batch of features read before block D runs only the first D blocks (circuit-tracer, too, backpropagates
@@ -262,9 +269,9 @@ def _attribute(model, inputs, transcoders: Transcoders, min_slots: int, *, targe
             P = next(P for P in lengths if P > int(positions[s:s + m].max()))
             pad = lambda a: np.concatenate([a[s:s + m], np.zeros((batch_size - m,) + a.shape[1:], a.dtype)])
             toks, U_P, E_P, T_P = cut[P]
-            c, ce, ct = direct_effects(model, toks, tc, jnp.asarray(pad(layers), jnp.int32),
-                                       jnp.asarray(pad(positions), jnp.int32), jnp.asarray(pad(vectors)), U_P, E_P,
-                                       T_P, depth=depth)
+            c, ce, ct = direct_effects(model, toks, tc, *place_targets(
+                mesh, pad(layers).astype(np.int32), pad(positions).astype(np.int32), pad(vectors)), U_P, E_P, T_P,
+                depth=depth)
             c, ce, ct = np.asarray(c)[:m], np.asarray(ce)[:m], np.asarray(ct)[:m]
             D = c.shape[1]
             full = np.zeros((m, L, n) + c.shape[3:], c.dtype)
