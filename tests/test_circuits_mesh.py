@@ -1,6 +1,6 @@
 """Attribution graphs on a mesh (jstd.circuits.sharding): the graph on 8 simulated CPU devices, under FSDP, TP and
-FSDP_TP, equals the graph on one device, for a tiny Llama with a cross-layer transcoder (with skip) and with a
-per-layer JumpReLU set. The suite's process has one device (conftest), so the 8-device checks run in one
+FSDP_TP, equals the graph on one device, for a tiny Llama with a cross-layer transcoder (with skip; and under FSDP_TP with a
+per-layer JumpReLU set). The suite's process has one device (conftest), so the 8-device checks run in one
 subprocess (tests/circuits_mesh_check.py); the placement rules are checked here."""
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ import jstd
 from jstd.circuits import load_transcoders
 
 DATA = Path(__file__).parent / "data" / "circuit_tracer"
-CASES = ("llama_clt_relu_skip", "llama_plt_jumprelu_skip")
+# the CLT under every layout; a per-layer set under the 2-D one (each layout is a compile of its own)
+CASES = {"llama_clt_relu_skip": "FSDP,TP,FSDP_TP", "llama_plt_jumprelu_skip": "FSDP_TP"}
 FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def test_graph_on_8_devices_equals_one_device():
     env = {**os.environ, "XLA_FLAGS": FLAGS, "JAX_PLATFORMS": "cpu"}
     script = Path(__file__).with_name("circuits_mesh_check.py")
-    done = subprocess.run([sys.executable, str(script), *(str(DATA / c) for c in CASES)], env=env,
+    done = subprocess.run([sys.executable, str(script), *(f"{DATA / c}:{layouts}" for c, layouts in CASES.items())], env=env,
                           capture_output=True, text=True, timeout=900)
     print(done.stdout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]

@@ -7,7 +7,7 @@
 
 The model is built from its config alone (``abstract.config``: a preset, a config.json, a checkpoint folder; no
 weight is read), each parameter a ``jax.ShapeDtypeStruct`` with the sharding ``jstd.load(..., mesh=, rules=)``
-would give it; the program (``programs.PROGRAMS``: forward, grad, sweep, generate) is lowered on abstract inputs
+would give it; the program (``programs.PROGRAMS``: forward, grad, sweep, generate, attribute) is lowered on abstract inputs
 and compiled by the target's own compiler (``targets.target``: libtpu for ``v5e:16x16``, XLA:GPU and ptxas for
 ``8xh200``), from the ``aot`` extra: ``pip install 'jstd[aot]'``. The CLI: ``jstd aot``.
 """

@@ -25,7 +25,7 @@ also gets one image per row, the images split as the rows are.
   against every source: the activation-scaled decoder vectors laid out ``[L, seq, slots, d]`` (``slots``: the
   sources writing at one block and position, default ``active · L`` rounded up to a power of two, ``active``
   features per block and position, as a CLT's decoders from every earlier block write there), the errors and
-  the token embeddings (``circuits.sharding.Sources``, float32, split as the transcoders are).
+  the token embeddings (``circuits.sharding.Sources``, float32, positions over ``data`` and slots over ``model``).
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jstd.aot.abstract import abstract_transcoders
 from jstd.circuits.replacement import direct_effects
-from jstd.circuits.sharding import Sources, batch_for, targets_sharding
+from jstd.circuits.sharding import Sources, batch_for, sources_shardings, targets_sharding
 from jstd.core.edits import Add, Set
 from jstd.core.inputs import Inputs
 from jstd.generate import generate
 from jstd.interventions.metrics import logit_difference
 from jstd.interventions.resume import Rows, corrupted_run, pack, resumed_chunk
 from jstd.run import run
-from jstd.sharding import DATA, FSDP, batch_sharding, fit, shardings
+from jstd.sharding import DATA, FSDP, batch_sharding, fit
 
 PROGRAMS = ("forward", "grad", "sweep", "generate", "attribute")
 SITE = "layers.layer_output"
@@ -140,7 +140,7 @@ def _attribute(model, mesh, rules, batch: int, seq: int, features: int, active: 
     B = batch_for(batch, mesh)
     sources = jax.eval_shape(lambda: Sources(jnp.zeros((L, seq, K, d), jnp.float32),
                                              jnp.zeros((L, seq, d), jnp.float32), jnp.zeros((seq, d), jnp.float32)))
-    placed = shardings(sources, mesh, rules)
+    placed = sources_shardings(mesh, sources)
     sources = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sources, placed)
     replicated = NamedSharding(mesh, PartitionSpec())
     tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=replicated)

@@ -249,8 +249,8 @@ def _attribute(model, inputs, transcoders: Transcoders, min_slots: int, *, targe
     t_ids, t_probs, t_vecs, t_labels = logit_targets(model, np.asarray(v["logits"][0, -1]), targets, max_n_logits,
                                                     desired_logit_prob, tokenizer, vocab)
     k = len(t_ids)
-    enc = np.asarray(tc.W_enc, np.float32)
-    U, E, token_vectors = place_sources(mesh, src.U, errors, token_vectors, layout)
+    enc = lambda layer, feature: np.asarray(tc.W_enc[layer, feature], np.float32)  # rows alone to the host
+    U, E, token_vectors = place_sources(mesh, src.U, errors, token_vectors)
 
     # Programs that skip what a batch cannot reach, once enough rows share them (small graphs use one program):
     # a batch of features read before block D runs only the first D blocks (circuit-tracer, too, backpropagates
@@ -300,7 +300,7 @@ def _attribute(model, inputs, transcoders: Transcoders, min_slots: int, *, targe
             influence = _influences(edge[:st], t_probs, row_nodes[:st])
             rank = np.argsort(-influence[:n_active], kind="stable")
             pending = rank[~visited[rank]][:min(update_interval * batch_size, keep - n_visited)]
-        got = rows(f_layer[pending], f_pos[pending], enc[f_layer[pending], f_feat[pending]])
+        got = rows(f_layer[pending], f_pos[pending], enc(f_layer[pending], f_feat[pending]))
         edge[st:st + len(pending), :n_sources] = got
         row_nodes[st:st + len(pending)] = pending
         visited[pending] = True

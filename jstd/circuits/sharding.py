@@ -12,10 +12,15 @@
   split over ``data`` (``place_targets``; ``batch_size`` rounded up to a multiple of ``data``), so each data
   shard backpropagates its own targets through the model (XLA gathers the weights FSDP splits, a block at a time).
 - The sources laid out per (block, position) (``Sources``: the activation-scaled decoder vectors ``[L, n, K, d]``,
-  the error vectors ``[L, n, d]``, the token embeddings ``[n, d]``) are split as the transcoders are: slots as
-  features over ``model``, widths as ``embed``; they are placed once per prompt and read by every batch.
-- Each batch's rows come back split over ``data`` and reach the host once (one transfer a batch, no collective);
-  the graph is assembled on the host as on one device.
+  the error vectors ``[L, n, d]``, the token embeddings ``[n, d]``) are placed once per prompt, whatever the
+  layout, with their positions over ``data`` and their slots over ``model`` (``place_sources``; an axis the mesh's
+  axis does not divide stays whole), each vector whole: the product of a batch's gradients ``[B, L, n, d]`` with
+  them then needs the gradients moved to the positions' shards (an all-to-all of the batch's gradients) and no
+  sum across chips, and its rows ``[B, L, n, K]`` stay split by position and slot. (Split by width instead, as
+  the transcoders are under FSDP, the product is a partial sum on every chip and each batch all-reduces its whole
+  rows: 1 GiB a chip for Llama-3.1-8B at 64 tokens, docs/scale.md.)
+- Each batch's rows reach the host once (one transfer a batch, no collective); the graph is assembled on the
+  host as on one device.
 
 Sharding changes where values live, never what they are: the graph equals the single-device graph to float32
 rounding of reordered sums (tests/test_circuits_mesh.py: 8 simulated devices, every layout).
@@ -25,22 +30,23 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
-from jstd.nn.params import DATA, param
-from jstd.sharding import LAYOUTS, Rules, shard
+from jstd.nn.params import DATA, MODEL
+from jstd.sharding import LAYOUTS, Rules, fit, shard
 
 
 class Sources(eqx.Module):
-    """What the sources of a prompt write, as ``direct_effects`` reads it (``vectors [L, n, K, d]``: the
-    activation-scaled decoder vectors by block, position and slot; ``errors [L, n, d]``; ``tokens [n, d]``: the
-    token embeddings), with logical axes so that a layout places them as it places the transcoders."""
+    """What the sources of a prompt write, as ``direct_effects`` reads it: ``vectors [L, n, K, d]`` (the
+    activation-scaled decoder vectors by block, position and slot), ``errors [L, n, d]``, ``tokens [n, d]`` (the
+    token embeddings)."""
 
-    vectors: Float[Array, "layers seq slots d"] = param("layers", "positions", "mlp", "embed")
-    errors: Float[Array, "layers seq d"] = param("layers", "positions", "embed")
-    tokens: Float[Array, "seq d"] = param("positions", "embed")
+    vectors: Float[Array, "layers seq slots d"]
+    errors: Float[Array, "layers seq d"]
+    tokens: Float[Array, "seq d"]
 
 
 def rules_of(layout: str | Rules) -> Rules:
@@ -81,17 +87,26 @@ def targets_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
 def place_targets(mesh: Mesh | None, *arrays):
     """Each of ``arrays`` (a batch of targets, leading axis a multiple of ``data``) split over ``data``; without a
     mesh, as they are (``jnp`` arrays on the default device)."""
-    import jax.numpy as jnp
-
     if mesh is None:
         return tuple(jnp.asarray(a) for a in arrays)
     return tuple(jax.device_put(np.asarray(a), targets_sharding(mesh, np.ndim(a))) for a in arrays)
 
 
-def place_sources(mesh: Mesh | None, vectors, errors, tokens, layout: str | Rules = "FSDP"):
-    """``(vectors, errors, tokens)`` placed on ``mesh`` under ``layout`` (``Sources``); without a mesh, as
-    given."""
+def sources_shardings(mesh: Mesh, sources: Sources) -> Sources:
+    """The ``NamedSharding`` of each of ``sources``' arrays (or shapes) on ``mesh``: positions over ``data``, slots
+    over ``model`` (module docstring), each axis whole where the mesh has no such axis or its size does not
+    divide the axis'."""
+    have = lambda axis: axis if axis in mesh.axis_names else None
+    specs = Sources(PartitionSpec(None, have(DATA), have(MODEL)), PartitionSpec(None, have(DATA)),
+                    PartitionSpec(have(DATA)))
+    return jax.tree.map(lambda spec, a: fit(NamedSharding(mesh, spec), tuple(a.shape)), specs, sources,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def place_sources(mesh: Mesh | None, vectors, errors, tokens):
+    """``(vectors, errors, tokens)`` placed on ``mesh`` (``sources_shardings``); without a mesh, as given."""
     if mesh is None:
         return vectors, errors, tokens
-    placed = shard(Sources(vectors, errors, tokens), mesh, rules_of(layout))
+    sources = Sources(vectors, errors, tokens)
+    placed = jax.device_put(sources, sources_shardings(mesh, sources))
     return placed.vectors, placed.errors, placed.tokens

@@ -140,16 +140,17 @@ class Transcoders(eqx.Module):
 
     def decoder_vectors(self, layers: np.ndarray, features: np.ndarray) -> np.ndarray:
         """``[n, L, d_out]``: what feature ``features[i]`` of block ``layers[i]`` writes per unit activation at
-        every block (zeros at blocks it does not write)."""
+        every block (zeros at blocks it does not write). Only those rows reach the host (gathered where the
+        decoders live: on a mesh, from their shards)."""
         layers, features = np.asarray(layers), np.asarray(features)
         out = np.zeros((len(layers), self.num_layers, self.d_out), np.dtype(self.b_dec.dtype))
         if not self.cross_layer:
-            out[np.arange(len(layers)), layers] = np.asarray(self.W_dec)[layers, features]
+            out[np.arange(len(layers)), layers] = np.asarray(self.W_dec[layers, features])
             return out
         for l, w in enumerate(self.W_dec):
             at = np.nonzero(layers == l)[0]
             if len(at):
-                out[at, l:] = np.asarray(w)[features[at]]
+                out[at, l:] = np.asarray(w[features[at]])
         return out
 
 
