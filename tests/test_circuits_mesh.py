@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import jax
+import pytest
 from jax.sharding import PartitionSpec
 
 import jstd
@@ -42,3 +43,13 @@ def test_transcoders_carry_logical_axes():
     plt = jstd.logical_axes(load_transcoders(DATA / "llama_plt_jumprelu_skip" / "transcoders"))
     assert plt.W_dec == PartitionSpec("layers", "mlp", "embed") and plt.threshold == PartitionSpec("layers", "mlp")
     assert len(jax.tree.leaves(plt)) == 6
+
+
+def test_layouts_are_checked():
+    """An unknown layout, or a layout without a mesh, is refused before anything runs."""
+    model = jstd.load(DATA / "llama_clt_relu_skip" / "model")
+    tc = load_transcoders(DATA / "llama_clt_relu_skip" / "transcoders")
+    with pytest.raises(ValueError, match="unknown layout 'FSPD'; pass one of DP, FSDP, TP, FSDP_TP"):
+        jstd.attribute(model, [3, 4, 5], tc, mesh=jstd.sharding.mesh(), layout="FSPD")
+    with pytest.raises(ValueError, match="layout= places the model and transcoders on a mesh: pass mesh= too"):
+        jstd.attribute(model, [3, 4, 5], tc, layout="FSDP")

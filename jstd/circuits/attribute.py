@@ -189,7 +189,7 @@ def _influences(edge_rows: np.ndarray, logit_p: np.ndarray, row_nodes: np.ndarra
 
 def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_logits: int = 10,
               desired_logit_prob: float = 0.95, max_feature_nodes: int | None = None, batch_size: int = 256,
-              update_interval: int = 4, tokenizer=None, mesh=None, layout="FSDP") -> Graph | list[Graph]:
+              update_interval: int = 4, tokenizer=None, mesh=None, layout=None) -> Graph | list[Graph]:
     """The attribution graph (``jstd.circuits.Graph``) of ``inputs`` through ``transcoders`` (module docstring).
 
     inputs: a prompt (a string with ``tokenizer=``, or token ids ``[n]``) or a list of prompts (a list of graphs
@@ -201,17 +201,21 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
     batch_size: targets per compiled backward (memory ``batch_size · L · n · d`` floats; results do not depend
         on it). tokenizer: for text, the BOS rule, target strings and labels (``jstd.load_processor``).
     mesh, layout: on a ``jax.sharding.Mesh`` (``jstd.sharding.mesh()``), the model and the transcoders placed
-        under ``layout`` (a ``jstd.sharding.LAYOUTS`` name or a rule list) and each batch of targets split over
-        ``data`` (``batch_size`` rounded up to a multiple of it): ``jstd.circuits.sharding``. The same graph.
+        under ``layout`` (a ``jstd.sharding.LAYOUTS`` name or a rule list; None: ``"FSDP"``) and each batch of
+        targets split over ``data`` (``batch_size`` rounded up to a multiple of it): ``jstd.circuits.sharding``.
+        The same graph. ValueError for a layout without a mesh or an unknown layout.
 
     Exact as circuit-tracer within float32 rounding (tests/test_circuits.py compares every entry). Raises
     ValueError for transcoders that do not fit the model, bad prompts or targets.
     """
     settings = dict(targets=targets, max_n_logits=max_n_logits, desired_logit_prob=desired_logit_prob,
                     max_feature_nodes=max_feature_nodes, batch_size=batch_size, update_interval=update_interval,
-                    tokenizer=tokenizer, mesh=mesh, layout=layout)
+                    tokenizer=tokenizer, mesh=mesh)
     if mesh is not None:
-        model, transcoders = place(model, transcoders, mesh, layout)
+        model, transcoders = place(model, transcoders, mesh, "FSDP" if layout is None else layout)
+    elif layout is not None:
+        raise ValueError("attribute: layout= places the model and transcoders on a mesh: pass mesh= too "
+                         "(jstd.sharding.mesh())")
     several = isinstance(inputs, (list, tuple)) and inputs and not isinstance(inputs[0], (int, np.integer))
     if several or (isinstance(inputs, np.ndarray) and inputs.ndim == 2):
         # one slot count for every prompt, so prompts of one length share every compiled program
@@ -228,7 +232,7 @@ def _activations(model, tc: Transcoders, ids: np.ndarray) -> np.ndarray:
 
 
 def _attribute(model, inputs, transcoders: Transcoders, min_slots: int, *, targets, max_n_logits, desired_logit_prob,
-               max_feature_nodes, batch_size, update_interval, tokenizer, mesh=None, layout="FSDP") -> Graph:
+               max_feature_nodes, batch_size, update_interval, tokenizer, mesh=None) -> Graph:
     tc = transcoders
     _check(model, tc)
     if batch_size < 1 or update_interval < 1:

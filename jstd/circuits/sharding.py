@@ -23,7 +23,7 @@
   host as on one device.
 
 Sharding changes where values live, never what they are: the graph equals the single-device graph to float32
-rounding of reordered sums (tests/test_circuits_mesh.py: 8 simulated devices, every layout).
+rounding of reordered sums (tests/test_circuits_mesh.py: 8 simulated devices under FSDP, TP and FSDP_TP).
 """
 
 from __future__ import annotations
