@@ -221,3 +221,18 @@ def test_whole_weight_gathers_are_found_on_h200(aot, h200):
     report, compiled = compile_report(whole, (model,), h200, mesh=m)
     assert compiled.as_text().count("all-gather-start(") == 2
     assert report.whole_gathers == ["embed [4096, 1024]"]
+
+
+def test_attribution_batch_compiles_and_fits_on_v5e(aot, v5e):
+    """jstd.attribute's per-batch program (direct effects of a batch of targets) through a cross-layer transcoder,
+    placed by FSDP_TP: the targets split over data, the transcoders and the sources split with the model, resident
+    (their bytes in the arguments), no weight gathered whole."""
+    shape = dict(batch=8, seq=16, features=512, active=8)  # slots: 8 active x 2 blocks -> 16
+    report = aot.check(aot.compile(SMALL, v5e, program_name="attribute", layout="FSDP_TP", model_axis=2, **shape))
+    model = 2 * (2 * 4096 * 1024 + 2 * (3 * 1024 * 1024 + 3 * 1024 * 4096))  # bf16: embed, unembed, q k v o, MLP
+    clt = 2 * (2 * 512 * 1024 + 3 * 512 * 1024 + 2 * 512 + 2 * 1024)  # encoders, decoders to 1 + 2 blocks, biases
+    sources = 4 * (2 * 16 * 16 * 1024 + 2 * 16 * 1024 + 16 * 1024)  # float32 vectors, errors, token embeddings
+    assert (model + clt + sources) / 4 <= report.argument_bytes < (model + clt + sources) / 3  # split, and held
+    assert report.whole_gathers == [] and report.flops > 0
+    with pytest.raises(ValueError, match="unknown program 'atribute'"):
+        aot.compile(SMALL, v5e, program_name="atribute")

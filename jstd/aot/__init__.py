@@ -7,7 +7,7 @@
 
 The model is built from its config alone (``abstract.config``: a preset, a config.json, a checkpoint folder; no
 weight is read), each parameter a ``jax.ShapeDtypeStruct`` with the sharding ``jstd.load(..., mesh=, rules=)``
-would give it; the program (``programs.PROGRAMS``: forward, grad, sweep, generate) is lowered on abstract inputs
+would give it; the program (``programs.PROGRAMS``: forward, grad, sweep, generate, attribute) is lowered on abstract inputs
 and compiled by the target's own compiler (``targets.target``: libtpu for ``v5e:16x16``, XLA:GPU and ptxas for
 ``8xh200``), from the ``aot`` extra: ``pip install 'jstd[aot]'``. The CLI: ``jstd aot``.
 """
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jstd.aot.abstract import PRESETS, abstract_model, config
+from jstd.aot.abstract import PRESETS, abstract_model, abstract_transcoders, config
 from jstd.aot.programs import PROGRAMS, program
 from jstd.aot.report import DoesNotFit, Report, check, compile_report
 from jstd.aot.targets import AotUnavailable, Target, target
 from jstd.sharding import LAYOUTS, mesh as make_mesh
 
-__all__ = ["compile", "check", "config", "abstract_model", "program", "target", "default_model_axis", "Report",
+__all__ = ["compile", "check", "config", "abstract_model", "abstract_transcoders", "program", "target", "default_model_axis", "Report",
            "Target", "DoesNotFit", "AotUnavailable", "PRESETS", "PROGRAMS"]
 
 
@@ -35,10 +35,12 @@ def default_model_axis(chips: int) -> int:
 
 def compile(source, target_name: str | Target, *, program_name: str = "forward", layout: str = "FSDP_TP",
             model_axis: int | None = None, batch: int = 8, seq: int = 1024, blocks: int | None = None,
-            dtype=jnp.bfloat16, entries: int | None = None, new: int = 16) -> Report:
+            dtype=jnp.bfloat16, entries: int | None = None, new: int = 16, features: int = 16384, active: int = 64,
+            slots: int | None = None) -> Report:
     """The ``Report`` of ``program_name`` for the model of ``source`` (``config``) compiled on ``target_name``
     (``target``) under ``layout`` (a ``jstd.sharding.LAYOUTS`` name) on a (data, model) mesh with ``model_axis``
-    devices on ``model`` (default ``default_model_axis``).
+    devices on ``model`` (default ``default_model_axis``). ``attribute``: ``batch`` targets, a cross-layer
+    transcoder of ``features`` per block, ``active`` features per block and position (``programs``).
 
     Raises ValueError for an unknown layout, program or target, a model axis that does not divide the chips;
     AotUnavailable where the target's compiler is not installed.
@@ -52,6 +54,9 @@ def compile(source, target_name: str | Target, *, program_name: str = "forward",
     mesh = make_mesh(t.chips // model_axis, model_axis, devices=t.devices)
     rules = LAYOUTS[layout]
     model = abstract_model(config(source, blocks=blocks), mesh, rules, dtype=dtype)
-    fn, args = program(program_name, model, mesh, rules, batch=batch, seq=seq, entries=entries, new=new)
-    report, _ = compile_report(fn, args, t, program=program_name, mesh=mesh, layout=layout)
+    fn, args = program(program_name, model, mesh, rules, batch=batch, seq=seq, entries=entries, new=new,
+                       features=features, active=active, slots=slots)
+    # the attribute program's transcoders stay on the chips though it reads only their shapes
+    report, _ = compile_report(fn, args, t, program=program_name, mesh=mesh, layout=layout,
+                               keep_unused=program_name == "attribute")
     return report

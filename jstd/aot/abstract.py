@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jstd.circuits.transcoders import Transcoders
 from jstd.families import family_for
 from jstd.io.torchless import transformers
 from jstd.sharding import FSDP, shardings
@@ -110,3 +111,19 @@ def abstract_model(hf, mesh=None, rules=FSDP, *, dtype=jnp.bfloat16):
         return skeleton
     placed = shardings(skeleton, mesh, rules)
     return jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s), skeleton, placed)
+
+
+def abstract_transcoders(layers: int, features: int, width: int, mesh=None, rules=FSDP, *, dtype=jnp.bfloat16,
+                         cross_layer: bool = True, skip: bool = False) -> Transcoders:
+    """A ``jstd.circuits.Transcoders`` of ``jax.ShapeDtypeStruct`` leaves: ``layers`` blocks of ``features`` ReLU
+    features reading and writing ``width``; cross-layer (decoders from block l to every block >= l) or per-layer;
+    with ``skip``, a skip path per block. Each leaf carries its ``NamedSharding`` on ``mesh`` under ``rules``
+    (the transcoders' logical axes, as ``jstd.attribute(..., mesh=)`` places them); without a mesh, none."""
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    dec = tuple(s(features, layers - l, width) for l in range(layers)) if cross_layer else s(layers, features, width)
+    tc = Transcoders(s(layers, features, width), s(layers, features), dec, s(layers, width), None,
+                     s(layers, width, width) if skip else None, cross_layer)
+    if mesh is None:
+        return tc
+    placed = shardings(tc, mesh, rules)
+    return jax.tree.map(lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh), tc, placed)

@@ -17,6 +17,15 @@ also gets one image per row, the images split as the rows are.
   (block, position) pairs, each a whole run of the corrupted prompt with the patch (``vmap`` over the entries).
 - ``generate``: ``jstd.generate`` of ``new`` tokens, greedy, with a steering vector added at the middle block at
   every step.
+- ``attribute``: one batch of an attribution graph's rows (``jstd.circuits.replacement.direct_effects``, the heavy
+  part of ``jstd.attribute``, run once per batch of targets) for one prompt of ``seq`` tokens, through a
+  cross-layer transcoder of ``features`` per block (``abstract.abstract_transcoders``; placed by the layout as
+  ``jstd.attribute(..., mesh=)`` places it, and resident: its encoders and decoders count in the arguments though
+  this program reads none of them). ``batch`` targets (their blocks, positions and vectors, split over ``data``)
+  against every source: the activation-scaled decoder vectors laid out ``[L, seq, slots, d]`` (``slots``: the
+  sources writing at one block and position, default ``active · L`` rounded up to a power of two, ``active``
+  features per block and position, as a CLT's decoders from every earlier block write there), the errors and
+  the token embeddings (``circuits.sharding.Sources``, float32, positions over ``data`` and slots over ``model``).
 """
 
 from __future__ import annotations
@@ -26,6 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jstd.aot.abstract import abstract_transcoders
+from jstd.circuits.replacement import direct_effects
+from jstd.circuits.sharding import Sources, batch_for, sources_shardings, targets_sharding
 from jstd.core.edits import Add, Set
 from jstd.core.inputs import Inputs
 from jstd.generate import generate
@@ -34,20 +46,23 @@ from jstd.interventions.resume import Rows, corrupted_run, pack, resumed_chunk
 from jstd.run import run
 from jstd.sharding import DATA, FSDP, batch_sharding, fit
 
-PROGRAMS = ("forward", "grad", "sweep", "generate")
+PROGRAMS = ("forward", "grad", "sweep", "generate", "attribute")
 SITE = "layers.layer_output"
 
 
 def program(name: str, model, mesh, rules=FSDP, *, batch: int = 8, seq: int = 1024, entries: int | None = None,
-            new: int = 16):
+            new: int = 16, features: int = 16384, active: int = 64, slots: int | None = None):
     """``(fn, args)`` of program ``name`` (one of ``PROGRAMS``) for the abstract ``model`` on ``mesh``.
 
     ``entries``: a sweep chunk's (block, position) pairs (default: the size of the ``data`` axis);
-    ``new``: the tokens ``generate`` adds. Raises ValueError for an unknown name or a wrapper whose images are not
-    ``pixel_values [images, 3, H, W]``.
+    ``new``: the tokens ``generate`` adds; ``features``, ``active``, ``slots``: ``attribute``'s transcoder width
+    per block, active features per block and position, and source slots (module docstring). Raises ValueError for
+    an unknown name or a wrapper whose images are not ``pixel_values [images, 3, H, W]``.
     """
     if name not in PROGRAMS:
         raise ValueError(f"unknown program {name!r}: pass one of {', '.join(PROGRAMS)}")
+    if name == "attribute":
+        return _attribute(model, mesh, rules, batch, seq, features, active, slots)
     replicated = NamedSharding(mesh, PartitionSpec())
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=fit(batch_sharding(mesh, rules), (batch, seq)))
     images = _images(model, batch, fit(batch_sharding(mesh, rules, 4), (batch, 1, 1, 1)))  # one image per row
@@ -110,6 +125,33 @@ def _resumed_sweep(model, tokens, n: int, spread):
         corrupt_out = corrupted_run(model, corrupt, SITE)
         return resumed_chunk(model, corrupt, None, corrupt_out, clean_values, metric, rows, layer, SITE, False)
     return fn, (model, tokens, tokens, rows, layer)
+
+
+def _attribute(model, mesh, rules, batch: int, seq: int, features: int, active: int, slots: int | None):
+    """``direct_effects`` of ``batch`` targets (rounded up to a multiple of ``data``) for one prompt of ``seq``
+    tokens through an abstract cross-layer transcoder of ``features`` per block."""
+    if hasattr(model, "text"):
+        raise ValueError("jstd.aot's attribute program covers text models (jstd.attribute's); not a wrapper")
+    c = model.config
+    L, d = c.num_layers, c.hidden_size
+    dtype = jax.tree.leaves(model)[0].dtype
+    tc = abstract_transcoders(L, features, d, mesh, rules, dtype=dtype)
+    K = slots or 1 << max(active * L - 1, 1).bit_length()
+    B = batch_for(batch, mesh)
+    sources = jax.eval_shape(lambda: Sources(jnp.zeros((L, seq, K, d), jnp.float32),
+                                             jnp.zeros((L, seq, d), jnp.float32), jnp.zeros((seq, d), jnp.float32)))
+    placed = sources_shardings(mesh, sources)
+    sources = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sources, placed)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=replicated)
+    split = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=targets_sharding(mesh, len(shape)))
+
+    def fn(model, tc, tokens, layers, positions, vectors, sources):
+        return direct_effects(model, tokens, tc, layers, positions, vectors, sources.vectors, sources.errors,
+                              sources.tokens)
+
+    return fn, (model, tc, tokens, split((B,), jnp.int32), split((B,), jnp.int32), split((B, d), jnp.float32),
+                sources)
 
 
 def _images(model, batch: int, sharding):

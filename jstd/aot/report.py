@@ -94,16 +94,18 @@ class Report:
         return "\n".join(lines)
 
 
-def compile_report(fn, args, target: Target, *, program: str = "", mesh=None, layout: str = "") -> tuple:
+def compile_report(fn, args, target: Target, *, program: str = "", mesh=None, layout: str = "",
+                   keep_unused: bool = False) -> tuple:
     """``(Report, compiled)`` of ``jax.jit(fn)`` compiled for ``target`` on the abstract ``args`` (leaves carry
     their shardings on ``mesh``, a mesh of ``target.devices``). Traced with the kernels picked and laid out for the
     target's platform (``jstd.kernels.platform.compiling_for``: the Pallas gated-delta kernel on TPU and GPU) and
-    under ``jax.set_mesh(mesh)``, so Pallas kernels run per shard (``jax.shard_map``)."""
+    under ``jax.set_mesh(mesh)``, so Pallas kernels run per shard (``jax.shard_map``). ``keep_unused``: arguments
+    ``fn`` does not read stay in the program (and in its argument bytes): values resident on the chips meanwhile."""
     start = time.perf_counter()
     mesh_context = contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
     options = {}
     with checks_lowered_for(target), compiling_for(target.platform), mesh_context:
-        lowered = jax.jit(fn).lower(*args)
+        lowered = jax.jit(fn, keep_unused=keep_unused).lower(*args)
         try:
             try:
                 compiled = lowered.compile()

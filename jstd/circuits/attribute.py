@@ -31,6 +31,7 @@ import numpy as np
 
 from jstd.circuits.graph import Graph, SparseAdjacency
 from jstd.circuits.replacement import prompt_values, source_columns, target_gradients
+from jstd.circuits.sharding import batch_for, place, place_sources, place_targets
 from jstd.circuits.transcoders import Transcoders
 
 ZERO_POSITIONS = 1  # the BOS position carries no feature or error node
@@ -238,7 +239,8 @@ def _influences(edge_rows, logit_p: np.ndarray, row_nodes: np.ndarray, max_iter:
 
 def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_logits: int = 10,
               desired_logit_prob: float = 0.95, max_feature_nodes: int | None = None, batch_size: int = 256,
-              update_interval: int = 4, tokenizer=None, edges_per_row: int | None = None) -> Graph | list[Graph]:
+              update_interval: int = 4, tokenizer=None, edges_per_row: int | None = None, mesh=None,
+              layout=None) -> Graph | list[Graph]:
     """The attribution graph (``jstd.circuits.Graph``) of ``inputs`` through ``transcoders`` (module docstring).
 
     inputs: a prompt (a string with ``tokenizer=``, or token ids ``[n]``) or a list of prompts (a list of graphs
@@ -260,14 +262,24 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
         count, a row's sum leaves out its kept edges from features that did not become nodes, but still counts
         the dropped ones, and the visiting order ranks influence through the kept edges, so other features may
         become nodes than in the dense graph).
+    mesh, layout: on a ``jax.sharding.Mesh`` (``jstd.sharding.mesh()``), the model and the transcoders placed
+        under ``layout`` (a ``jstd.sharding.LAYOUTS`` name or a rule list; None: ``"FSDP"``) and each batch of
+        targets split over ``data`` (``batch_size`` rounded up to a multiple of it): ``jstd.circuits.sharding``.
+        The same graph. ValueError for a layout without a mesh or an unknown layout.
 
     Exact as circuit-tracer within float32 rounding (tests/test_circuits.py compares every entry). Raises
     ValueError for transcoders that do not fit the model, bad prompts or targets.
     """
     tc = transcoders
+    if mesh is not None:
+        model, tc = place(model, tc, mesh, "FSDP" if layout is None else layout)
+    elif layout is not None:
+        raise ValueError("attribute: layout= places the model and transcoders on a mesh: pass mesh= too "
+                         "(jstd.sharding.mesh())")
     _check(model, tc)
     if batch_size < 1 or update_interval < 1:
         raise ValueError(f"attribute: batch_size ({batch_size}) and update_interval ({update_interval}) must be >= 1")
+    batch_size = batch_for(batch_size, mesh)
     several = isinstance(inputs, (list, tuple)) and inputs and not isinstance(inputs[0], (int, np.integer))
     several = several or (isinstance(inputs, np.ndarray) and inputs.ndim == 2)
     prompts = list(inputs) if several else [inputs]
@@ -291,7 +303,7 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
         raise ValueError(f"attribute: edges_per_row ({edges_per_row}) must be >= 1, or None for a dense adjacency")
     settings = dict(targets=targets, max_n_logits=max_n_logits, desired_logit_prob=desired_logit_prob,
                     max_feature_nodes=max_feature_nodes, batch_size=batch_size, update_interval=update_interval,
-                    tokenizer=tokenizer, edges_per_row=edges_per_row)
+                    tokenizer=tokenizer, edges_per_row=edges_per_row, mesh=mesh)
     logits = np.asarray(v["logits"][np.arange(len(ids)), [len(i) - 1 for i in ids]])
     graphs = [_attribute(model, tc, ids[g], jnp.asarray(tokens[g:g + 1]), sources[g], errors[:, g],
                          v["embeddings"][g].astype(jnp.float32), logits[g], **settings) for g in range(len(ids))]
@@ -300,7 +312,7 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
 
 def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, errors, token_vectors, logits_last, *,
                targets, max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval,
-               tokenizer, edges_per_row) -> Graph:
+               tokenizer, edges_per_row, mesh) -> Graph:
     """One prompt's graph: ``ids [n]``, ``tokens [1, N]`` (padded on the right to ``N >= n``), its sources and
     ``errors [L, N, d]``, ``token_vectors [N, d]`` (zeros and ignored past ``n``)."""
     vocab = tokenizer.vocab_size if tokenizer is not None else model.config.vocab_size
@@ -309,8 +321,9 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
     t_ids, t_probs, t_vecs, t_labels = logit_targets(model, logits_last, targets, max_n_logits, desired_logit_prob,
                                                     tokenizer, vocab)
     k = len(t_ids)
-    enc = np.asarray(tc.W_enc, np.float32)
-    U, E, T, columns = tuple(jnp.asarray(u) for u in src.U), errors, token_vectors, jnp.asarray(src.columns)
+    enc = lambda layer, feature: np.asarray(tc.W_enc[layer, feature], np.float32)  # the rows alone to the host
+    U, E, T = place_sources(mesh, tuple(jnp.asarray(u) for u in src.U), errors, token_vectors)
+    columns = jnp.asarray(src.columns)
     # the prompt's own columns among source_columns' [A | L·N | N]
     A = src.columns.shape[0]
     keep_columns = np.concatenate([np.arange(n_active), A + (np.arange(L)[:, None] * N + np.arange(n)).reshape(-1),
@@ -338,9 +351,8 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
             depth = min(int(layers[s:s + m].max()) + 1, L) if by_depth else L
             P = next(P for P in lengths if P > int(positions[s:s + m].max()))
             pad = lambda a: np.concatenate([a[s:s + m], np.zeros((batch_size - m,) + a.shape[1:], a.dtype)])
-            g_y, g_e = target_gradients(model, tokens[:, :P], tc, jnp.asarray(pad(layers), jnp.int32),
-                                        jnp.asarray(pad(positions), jnp.int32), jnp.asarray(pad(vectors)),
-                                        depth=depth)
+            g_y, g_e = target_gradients(model, tokens[:, :P], tc, *place_targets(
+                mesh, pad(layers).astype(np.int32), pad(positions).astype(np.int32), pad(vectors)), depth=depth)
             # a feature target of block l reads nothing from block l's MLP output or later ones
             reach = int(layers[s:s + m].max())
             reach = reach if reach < L else None
@@ -391,7 +403,7 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
                          if sparse else _influences(edge[:st], t_probs, row_nodes[:st]))
             rank = np.argsort(-influence[:n_active], kind="stable")
             pending = rank[~visited[rank]][:min(update_interval * batch_size, keep - n_visited)]
-        got = rows(f_layer[pending], f_pos[pending], enc[f_layer[pending], f_feat[pending]])
+        got = rows(f_layer[pending], f_pos[pending], enc(f_layer[pending], f_feat[pending]))
         put(slice(st, st + len(pending)), got)
         row_nodes[st:st + len(pending)] = pending
         visited[pending] = True

@@ -23,20 +23,29 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from jstd.core.sites import SiteError
+from jstd.nn.params import param
 from jstd.sae.format import site_of
 
 
 class Transcoders(eqx.Module):
     """A transcoder set (see the module docstring). ``cross_layer`` (static) says which decoder layout
     ``W_dec`` has; ``input_hook`` / ``output_hook`` the TransformerLens names the set reads and writes; ``scan``
-    circuit-tracer's identifier of the set (kept in graphs and their JSON)."""
+    circuit-tracer's identifier of the set (kept in graphs and their JSON).
 
-    W_enc: Float[Array, "layers features d_in"]
-    b_enc: Float[Array, "layers features"]
-    W_dec: Float[Array, "layers features d_out"] | tuple
-    b_dec: Float[Array, "layers d_out"]
-    threshold: Float[Array, "layers features"] | None
-    W_skip: Float[Array, "layers d_in d_out"] | None
+    Logical axes (``jstd.logical_axes``, for ``jstd.sharding``'s layouts): the feature axis is ``mlp`` (a
+    transcoder stands in for the MLP, so every layout splits its features as it splits the MLP's hidden units: over
+    ``model`` under TP and FSDP_TP), the widths are ``embed`` (over ``data`` under FSDP), the blocks ``layers``
+    (never split); a cross-layer decoder ``W_dec[l] [F, L - l, d_out]`` is ``(mlp, layers, embed)``, the skip
+    ``W_skip`` ``(layers, embed, embed_out)`` (its output width whole: an axis name once per array).
+    ``jstd.shard(transcoders, mesh, rules)`` places a set as it places a model."""
+
+    W_enc: Float[Array, "layers features d_in"] = param("layers", "mlp", "embed")
+    b_enc: Float[Array, "layers features"] = param("layers", "mlp")
+    W_dec: Float[Array, "layers features d_out"] | tuple = param("layers", "mlp", "embed",
+                                                                 items=("mlp", "layers", "embed"))
+    b_dec: Float[Array, "layers d_out"] = param("layers", "embed")
+    threshold: Float[Array, "layers features"] | None = param("layers", "mlp")
+    W_skip: Float[Array, "layers d_in d_out"] | None = param("layers", "embed", "embed_out")
     cross_layer: bool = eqx.field(static=True)
     input_hook: str = eqx.field(static=True, default="mlp.hook_in")
     output_hook: str = eqx.field(static=True, default="mlp.hook_out")
@@ -131,16 +140,17 @@ class Transcoders(eqx.Module):
 
     def decoder_vectors(self, layers: np.ndarray, features: np.ndarray) -> np.ndarray:
         """``[n, L, d_out]``: what feature ``features[i]`` of block ``layers[i]`` writes per unit activation at
-        every block (zeros at blocks it does not write)."""
+        every block (zeros at blocks it does not write). Only those rows reach the host (gathered where the
+        decoders live: on a mesh, from their shards)."""
         layers, features = np.asarray(layers), np.asarray(features)
         out = np.zeros((len(layers), self.num_layers, self.d_out), np.dtype(self.b_dec.dtype))
         if not self.cross_layer:
-            out[np.arange(len(layers)), layers] = np.asarray(self.W_dec)[layers, features]
+            out[np.arange(len(layers)), layers] = np.asarray(self.W_dec[layers, features])
             return out
         for l, w in enumerate(self.W_dec):
             at = np.nonzero(layers == l)[0]
             if len(at):
-                out[at, l:] = np.asarray(w)[features[at]]
+                out[at, l:] = np.asarray(w[features[at]])
         return out
 
 

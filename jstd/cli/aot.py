@@ -15,14 +15,18 @@ def add_arguments(sub) -> None:
     p.add_argument("--target", default="v5e:16x16", help="a TPU topology (v5e:16x16, v5p:4x4x4, v6e:8x8) or GPUs "
                                                          "(8xh200); default v5e:16x16")
     p.add_argument("--layout", default="FSDP_TP", help="DP, FSDP, TP or FSDP_TP (default)")
-    p.add_argument("--program", default="forward", help="comma-separated: forward, grad, sweep, generate, or all")
+    p.add_argument("--program", default="forward", help="comma-separated: forward, grad, sweep, generate, "
+                                                      "attribute, or all")
     p.add_argument("--model-axis", type=int, default=None, help="devices on the mesh's model axis (default: 4 on "
                                                                 "large slices, 8 on one 8-GPU host)")
-    p.add_argument("--batch", type=int, default=8, help="rows (default 8)")
+    p.add_argument("--batch", type=int, default=8, help="rows; attribute: targets per batch (default 8)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per row (default 1024)")
     p.add_argument("--blocks", type=int, default=None, help="cut every stack to this many blocks (a quick compile)")
     p.add_argument("--new", type=int, default=16, help="tokens generate adds (default 16)")
     p.add_argument("--entries", type=int, default=None, help="a sweep chunk's entries (default: the data axis)")
+    p.add_argument("--features", type=int, default=16384, help="attribute: CLT features per block (default 16384)")
+    p.add_argument("--active", type=int, default=64, help="attribute: active features per block and position "
+                                                          "(default 64)")
     p.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
     p.add_argument("--markdown", action="store_true", help="print markdown table rows instead")
 
@@ -49,7 +53,8 @@ def command(args) -> int:
         try:
             report = aot.compile(args.model, target, program_name=name, layout=args.layout,
                                  model_axis=args.model_axis, batch=args.batch, seq=args.seq, blocks=args.blocks,
-                                 dtype=jnp.dtype(args.dtype), entries=args.entries, new=args.new)
+                                 dtype=jnp.dtype(args.dtype), entries=args.entries, new=args.new,
+                                 features=args.features, active=args.active)
             print(report.row() if args.markdown else report, flush=True)
             aot.check(report)
         except aot.DoesNotFit as e:

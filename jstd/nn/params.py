@@ -17,15 +17,18 @@ DATA, MODEL = "data", "model"  # the mesh axes of jstd.sharding's rules: rows of
 LOGICAL_NAMES: set[str] = {"layers"}
 
 
-def param(*axes: str, **field):
+def param(*axes: str, items: tuple[str, ...] | None = None, **field):
     """A parameter field whose array carries logical axis names (for sharding rules).
 
     The names are the array's axes in order; blocks stacked for the scan get a
     leading ``layers`` axis (see ``logical_axes``). Each name joins ``LOGICAL_NAMES``.
+    ``items``: the names of each array when the field holds a tuple of arrays of another layout (a cross-layer
+    transcoder's decoders, one per block); None: the tuple's arrays take ``axes``.
     ``field``: passed to ``eqx.field`` (``default=None`` for an optional parameter after the static fields).
     """
     LOGICAL_NAMES.update(axes)
-    return eqx.field(metadata={"axes": tuple(axes)}, **field)
+    LOGICAL_NAMES.update(items or ())
+    return eqx.field(metadata={"axes": tuple(axes), "items": None if items is None else tuple(items)}, **field)
 
 
 def stacked():
@@ -45,15 +48,16 @@ def logical_axes(module: eqx.Module):
     change when sharding is added.
     """
     def spec(path, leaf):
-        node, prefix, axes = module, (), None
+        node, prefix, axes, items = module, (), None, None
         for key in path:
             if isinstance(key, jax.tree_util.SequenceKey):
                 node = node[key.idx]
+                axes = items or axes
                 continue
             field = {f.name: f for f in dataclasses.fields(node)}[key.name]
             if field.metadata.get("stacked"):
                 prefix += ("layers",)
-            axes = field.metadata.get("axes")
+            axes, items = field.metadata.get("axes"), field.metadata.get("items")
             node = getattr(node, key.name)
         if axes is None:
             raise ValueError(f"parameter {jax.tree_util.keystr(path)} declares no logical axes")

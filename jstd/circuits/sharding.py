@@ -1,0 +1,121 @@
+"""Attribution graphs on a mesh of devices: where the model, the transcoders, the sources and the targets live.
+
+    mesh = jstd.sharding.mesh(model=4)                                    # ("data", "model") over every device
+    graph = jstd.attribute(model, ids, tc, mesh=mesh, layout="FSDP_TP")   # the single-device graph
+
+- The model and the transcoders are placed by one of ``jstd.sharding``'s layouts (``place``): the model as
+  ``jstd.shard`` places it, the transcoders by their own logical axes (``Transcoders``: features ``mlp``, widths
+  ``embed``), so under ``FSDP`` every encoder and decoder is split by its width over ``data`` and under ``TP`` by
+  its features over ``model``, a cross-layer transcoder's decoders from block ``l`` each split like block ``l``'s
+  encoder.
+- Each batch of targets (``direct_effects``' ``layers``, ``positions``, ``vectors``: the rows being computed) is
+  split over ``data`` (``place_targets``; ``batch_size`` rounded up to a multiple of ``data``), so each data
+  shard backpropagates its own targets through the model (XLA gathers the weights FSDP splits, a block at a time).
+- The sources laid out per (block, position) (``Sources``: the activation-scaled decoder vectors ``[L, n, K, d]``,
+  the error vectors ``[L, n, d]``, the token embeddings ``[n, d]``) are placed once per prompt, whatever the
+  layout, with their positions over ``data`` and their slots over ``model`` (``place_sources``; an axis the mesh's
+  axis does not divide stays whole), each vector whole: the product of a batch's gradients ``[B, L, n, d]`` with
+  them then needs the gradients moved to the positions' shards (an all-to-all of the batch's gradients) and no
+  sum across chips, and its rows ``[B, L, n, K]`` stay split by position and slot. (Split by width instead, as
+  the transcoders are under FSDP, the product is a partial sum on every chip and each batch all-reduces its whole
+  rows: 1 GiB a chip for Llama-3.1-8B at 64 tokens, docs/scale.md.)
+- Each batch's rows reach the host once (one transfer a batch, no collective); the graph is assembled on the
+  host as on one device.
+
+Sharding changes where values live, never what they are: the graph equals the single-device graph to float32
+rounding of reordered sums (tests/test_circuits_mesh.py: 8 simulated devices under FSDP, TP and FSDP_TP).
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Float
+
+from jstd.nn.params import DATA, MODEL
+from jstd.sharding import LAYOUTS, Rules, fit, shard
+
+
+class Sources(eqx.Module):
+    """What the sources of a prompt write, as ``direct_effects`` reads it: ``vectors [L, n, K, d]`` (the
+    activation-scaled decoder vectors by block, position and slot), ``errors [L, n, d]``, ``tokens [n, d]`` (the
+    token embeddings)."""
+
+    vectors: Float[Array, "layers seq slots d"]
+    errors: Float[Array, "layers seq d"]
+    tokens: Float[Array, "seq d"]
+
+
+def rules_of(layout: str | Rules) -> Rules:
+    """The rule list of ``layout``: a name in ``jstd.sharding.LAYOUTS`` (``"FSDP"``, ``"TP"``, ``"FSDP_TP"``, ...)
+    or a rule list itself. ValueError for an unknown name."""
+    if isinstance(layout, str):
+        if layout not in LAYOUTS:
+            raise ValueError(f"attribute: unknown layout {layout!r}; pass one of {', '.join(LAYOUTS)} or a rule list")
+        return LAYOUTS[layout]
+    return layout
+
+
+def place(model, transcoders, mesh: Mesh, layout: str | Rules = "FSDP"):
+    """``(model, transcoders)`` placed on ``mesh`` under ``layout`` (``jstd.shard`` each; values unchanged)."""
+    rules = rules_of(layout)
+    return shard(model, mesh, rules), shard(transcoders, mesh, rules)
+
+
+def data_size(mesh: Mesh | None) -> int:
+    """The size of ``mesh``'s ``data`` axis (1 without a mesh or without that axis)."""
+    if mesh is None:
+        return 1
+    return dict(zip(mesh.axis_names, mesh.devices.shape)).get(DATA, 1)
+
+
+def batch_for(batch_size: int, mesh: Mesh | None) -> int:
+    """``batch_size`` rounded up to a multiple of the ``data`` axis (each data shard a whole share of targets)."""
+    size = data_size(mesh)
+    return -(-batch_size // size) * size
+
+
+def targets_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
+    """Targets (their leading axis) split over ``data``."""
+    spec = PartitionSpec(DATA if DATA in mesh.axis_names else None, *([None] * (ndim - 1)))
+    return NamedSharding(mesh, spec)
+
+
+def place_targets(mesh: Mesh | None, *arrays):
+    """Each of ``arrays`` (a batch of targets, leading axis a multiple of ``data``) split over ``data``; without a
+    mesh, as they are (``jnp`` arrays on the default device)."""
+    if mesh is None:
+        return tuple(jnp.asarray(a) for a in arrays)
+    return tuple(jax.device_put(np.asarray(a), targets_sharding(mesh, np.ndim(a))) for a in arrays)
+
+
+def sources_shardings(mesh: Mesh, sources: Sources) -> Sources:
+    """The ``NamedSharding`` of each of ``sources``' arrays (or shapes) on ``mesh``: positions over ``data``, slots
+    over ``model`` (module docstring), each axis whole where the mesh has no such axis or its size does not
+    divide the axis'."""
+    have = lambda axis: axis if axis in mesh.axis_names else None
+    specs = Sources(PartitionSpec(None, have(DATA), have(MODEL)), PartitionSpec(None, have(DATA)),
+                    PartitionSpec(have(DATA)))
+    return jax.tree.map(lambda spec, a: fit(NamedSharding(mesh, spec), tuple(a.shape)), specs, sources,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def place_sources(mesh: Mesh | None, vectors, errors, tokens):
+    """``(vectors, errors, tokens)`` placed on ``mesh`` (``sources_shardings``); without a mesh, as given.
+    ``vectors``: ``[L, n, K, d]``, or per block a tuple of ``[n, K_l, d]`` (``jstd.attribute``'s layout: each
+    block its own slot count), placed alike (positions over ``data``, slots over ``model``)."""
+    if mesh is None:
+        return vectors, errors, tokens
+    if isinstance(vectors, tuple):
+        whole = sources_shardings(mesh, Sources(jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), errors, tokens))
+        have = lambda axis: axis if axis in mesh.axis_names else None
+        spec = PartitionSpec(have(DATA), have(MODEL))
+        vectors = tuple(jax.device_put(u, fit(NamedSharding(mesh, spec), tuple(u.shape))) for u in vectors)
+        errors, tokens = jax.device_put((errors, tokens), (whole.errors, whole.tokens))
+        return vectors, errors, tokens
+    sources = Sources(vectors, errors, tokens)
+    placed = jax.device_put(sources, sources_shardings(mesh, sources))
+    return placed.vectors, placed.errors, placed.tokens
