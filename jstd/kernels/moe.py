@@ -209,10 +209,9 @@ def expert_outputs(x: Float[Array, "tokens hidden"], indices: Int[Array, "tokens
         y = y if down_bias is None else y + down_bias[:, None]
         return jnp.take_along_axis(jnp.swapaxes(y, 0, 1), indices[..., None], axis=1)
 
-    def one(w, e):  # expert e's weights (sliced here, once): its rows -> its outputs
-        gate_up, down, gate_up_bias, down_bias = w
-        bias = lambda b: None if b is None else b[e]
-        return lambda xs: _expert(xs, gate_up[e], down[e], product, bias(gate_up_bias), bias(down_bias))
+    def one(w, e):  # expert e's weights, sliced here once (the barrier keeps XLA from slicing them per window)
+        w = jax.lax.optimization_barrier(jax.tree.map(lambda a: a[e], w))
+        return lambda xs: _expert(xs, w[0], w[1], product, w[2], w[3])
 
     @jax.custom_jvp
     def run(x, w):
