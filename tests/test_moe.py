@@ -303,6 +303,15 @@ def test_grouped_product_windows_and_derivatives_match_the_dense_product():
     assert_close(jnp.stack([v, t]), jnp.stack([v0, t0]), 1e-5, "jvp")
     batched = jax.vmap(jax.grad(lambda x: loss(False, x, *w)))(jnp.stack([x, -x]))
     assert_close(batched[0], want[0], 1e-5, "vmap of grad")
+    # vmap: the batch's rows in one call; weights batched too (a vmap over models): item by item
+    of = lambda dense, x, gate_up: moe_kernels.expert_outputs(x, idx, gate_up, w[1], "silu", dense, *w[2:],
+                                                            product=product)
+    xs, gate_ups = jnp.stack([x, -x, 2 * x]), jnp.stack([w[0], -w[0], w[0] / 2])
+    for gate_up in (w[0], gate_ups):
+        batched = gate_up.ndim == 4
+        want = jnp.stack([of(True, xs[i], gate_up[i] if batched else gate_up) for i in range(3)])
+        assert_close(jax.vmap(lambda *a: of(False, *a), (0, 0 if batched else None))(xs, gate_up), want, 1e-6,
+                     f"vmap, weights batched {batched}")
 
 
 def _fused(folder: Path, out: Path) -> Path:

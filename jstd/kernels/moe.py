@@ -193,9 +193,10 @@ def expert_outputs(x: Float[Array, "tokens hidden"], indices: Int[Array, "tokens
     ``gate_up_bias``, ``down_bias``: each expert's biases (gpt-oss); ``product``: ``(gate, up) -> neurons`` in
     place of ``act(gate) · up`` (gpt-oss' ``clamped``).
 
-    The grouped product's values come from ``segments`` (each routed expert's weights read in place, its rows in
-    windows); its derivatives (``jax.jvp``, ``jax.grad``: a ``custom_jvp``) from ``grouped``'s tile scan, which
-    JAX can transpose (``segments``' data-dependent loops cannot be). The two agree to float rounding."""
+    The grouped product's values come from ``segments`` (each chosen expert's weights taken once, its rows in
+    windows; under ``vmap``, one call on the batch's rows: a ``custom_vmap``); its derivatives (``jax.jvp``,
+    ``jax.grad``: a ``custom_jvp``) from ``grouped``'s tile scan, which JAX can transpose (``segments``'
+    data-dependent loops cannot be). The two agree to float rounding."""
     tokens, k = indices.shape
     experts = gate_up.shape[0]
     if dense is None:
@@ -213,9 +214,24 @@ def expert_outputs(x: Float[Array, "tokens hidden"], indices: Int[Array, "tokens
         w = jax.lax.optimization_barrier(jax.tree.map(lambda a: a[e], w))
         return lambda xs: _expert(xs, w[0], w[1], product, w[2], w[3])
 
+    @jax.custom_batching.custom_vmap
+    def values(x, indices, w):
+        return segments(x, indices, lambda e: one(w, e), experts)
+
+    @values.def_vmap
+    def _(size, batched, x, indices, w):
+        # rows are independent: a batch of calls is one call on the batch's rows (under vmap, data-dependent loops
+        # would run every item to the longest and slice by gathers); weights batched (a vmap over models): in turn
+        spread = lambda a, b: a if b else jnp.broadcast_to(a, (size,) + a.shape)
+        x, indices = spread(x, batched[0]), spread(indices, batched[1])
+        if any(jax.tree.leaves(batched[2])):
+            return jax.lax.map(lambda a: values(*a), (x, indices, jax.tree.map(spread, w, batched[2]))), True
+        y = values(x.reshape(-1, x.shape[-1]), indices.reshape(-1, indices.shape[-1]), w)
+        return y.reshape(indices.shape + y.shape[2:]), True
+
     @jax.custom_jvp
     def run(x, w):
-        return segments(x, indices, lambda e: one(w, e), experts)
+        return values(x, indices, w)
 
     @run.defjvp
     def _(primals, tangents):
