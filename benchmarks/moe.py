@@ -8,6 +8,14 @@ memory (XLA's own figure) with 16 and with 128 experts at the same shapes — th
 O(tokens · top_k), where every expert for every token would add tokens · experts · 2 · 256 floats.
 
     python benchmarks/moe.py [--repeats 7]
+
+``--kernel``: one block's expert product alone at these sizes (1024 tokens, top-2 of 16 experts, 512 -> 256 ->
+512), interleaved in one process: the values' loop over the chosen experts (``kernels.moe.segments``, what the
+forward runs), the tile scan (``kernels.moe.grouped``, what the derivatives run), and one plain product of the same
+FLOPs (the 2048 rows through one expert: the machine's ceiling for this work); then the same under ``vmap`` over 16
+rows of 64 tokens (a patching sweep's shape) against the tile scan vmapped.
+
+    python benchmarks/moe.py --kernel [--repeats 20]
 """
 
 from __future__ import annotations
@@ -40,8 +48,49 @@ def working_memory(experts: int) -> int:
     return jax.jit(jstd.run).lower(skeleton, tokens).compile().memory_analysis().temp_size_in_bytes
 
 
+def kernel(repeats: int) -> None:
+    """The ``--kernel`` table."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from common import time_interleaved
+    from jstd.kernels import moe as K
+
+    tokens, hidden, mlp, experts, k = BATCH * SEQ, SIZE["hidden_size"], SIZE["moe_intermediate_size"], \
+        SIZE["num_experts"], SIZE["num_experts_per_tok"]
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden), np.float32))
+    gate_up = jnp.asarray(rng.standard_normal((experts, hidden, 2 * mlp), np.float32) / hidden ** 0.5)
+    down = jnp.asarray(rng.standard_normal((experts, mlp, hidden), np.float32) / mlp ** 0.5)
+    indices = jax.lax.top_k(jnp.asarray(rng.standard_normal((tokens, experts), np.float32)), k)[1]
+    swiglu = lambda g, u: jax.nn.silu(g) * u
+    one = lambda g, d, e: lambda xs: K._expert(xs, g[e], d[e], swiglu)
+    seg = lambda x, i, g, d: K.segments(x, i, lambda e: one(g, d, e), experts)
+    tiles = lambda x, i, g, d: K.grouped(x, i, lambda xs, e: one(g, d, e)(xs), experts)
+    plain = lambda x, i, g, d: K._expert(jnp.concatenate([x] * k), g[0], d[0], swiglu)
+    flops = 2 * tokens * k * 3 * hidden * mlp
+    block = lambda f, *a: (lambda: jax.block_until_ready(f(*a)))
+    args = (x, indices, gate_up, down)
+    t = time_interleaved({n: block(jax.jit(f), *args) for n, f in
+                          (("segments", seg), ("tiles", tiles), ("plain", plain))}, repeats)
+    rows = [(f"one block's expert product: {n} (median; best)", f"{t[n][0] * 1e3:.1f}; {t[n][1] * 1e3:.1f} ms",
+             f"{flops / t[n][0] / 1e9:.0f} GFLOP/s") for n in ("segments", "tiles", "plain")]
+    bx, bi = x.reshape(16, -1, hidden), indices.reshape(16, -1, k)
+    vmapped = lambda f: jax.jit(jax.vmap(f, (0, 0, None, None)))
+    out = lambda x, i, g, d: K.expert_outputs(x, i, g, d, "silu", dense=False)
+    t = time_interleaved({"expert_outputs": block(vmapped(out), bx, bi, gate_up, down),
+                          "tiles": block(vmapped(tiles), bx, bi, gate_up, down)}, repeats)
+    rows += [(f"the same under vmap over 16 x 64 tokens: {n} (median; best)",
+              f"{t[n][0] * 1e3:.1f}; {t[n][1] * 1e3:.1f} ms", f"{flops / t[n][0] / 1e9:.0f} GFLOP/s")
+             for n in ("expert_outputs", "tiles")]
+    print_table(f"{versions()}; one block's experts, {tokens} tokens, top-{k} of {experts}, float32", rows)
+
+
 def main():
-    args = repeats_parser().parse_args()
+    args = repeats_parser(kernel="one block's expert product alone (see the module's docstring)").parse_args()
+    if args.kernel:
+        return kernel(args.repeats)
     import torch
     from transformers import AutoModelForCausalLM
 

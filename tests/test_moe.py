@@ -244,7 +244,7 @@ def test_torch_topk_row_is_torchs_order():
 
 
 def test_grouped_and_dense_products_agree_and_memory_is_per_chosen_pair():
-    """The grouped product (pairs sorted by expert, tiles of one expert each) equals every expert for every token,
+    """The grouped product (pairs sorted by expert, each expert's rows together) equals every expert for every token,
     gathered, also under ``vmap``; its working memory stays O(tokens · top_k) (plus each expert's last tile), far
     below the dense product's."""
     rng = np.random.default_rng(0)
@@ -271,6 +271,47 @@ def test_grouped_and_dense_products_agree_and_memory_is_per_chosen_pair():
     # O(pairs + experts · tile) rows: the padding bound grows with the experts, the rows do not multiply by them
     small, large, dense = temp(8), temp(512), 256 * 512 * 64 * 4  # the dense product's one [tokens, experts, 64]
     assert small < dense / 64 and large < dense / 8, (small, large)
+
+
+def test_grouped_product_windows_and_derivatives_match_the_dense_product():
+    """The grouped product's values at any window size (windows that overrun their expert's rows, experts no token
+    chose, one token) and its derivatives (``jax.grad``, ``jax.jvp``, with biases and gpt-oss' clamped product,
+    under ``vmap``) equal the dense product's."""
+    rng = np.random.default_rng(1)
+    experts, product = 7, moe_kernels.clamped(1.5, 1.7)
+    x = jnp.asarray(rng.normal(size=(30, 16)), jnp.float32)
+    w = (jnp.asarray(rng.normal(size=(experts, 16, 12)) / 4, jnp.float32),
+         jnp.asarray(rng.normal(size=(experts, 6, 16)) / 3, jnp.float32),
+         jnp.asarray(rng.normal(size=(experts, 12)), jnp.float32), jnp.asarray(rng.normal(size=(experts, 16)), jnp.float32))
+    idx = jnp.asarray(np.stack([rng.choice(experts - 2, 2, replace=False) for _ in range(30)]), jnp.int32)
+    expert = lambda e: lambda xs: moe_kernels._expert(xs, w[0][e], w[1][e], product, w[2][e], w[3][e])
+    dense = moe_kernels.expert_outputs(x, idx, *w[:2], "silu", True, *w[2:], product=product)
+    for window in (1, 3, 16, 64):
+        assert_close(moe_kernels.segments(x, idx, expert, experts, window), dense, 1e-6, f"window {window}")
+    assert_close(moe_kernels.expert_outputs(x[:1], idx[:1], *w[:2], "silu", False, *w[2:], product=product),
+                 dense[:1], 1e-6, "one token")
+
+    def loss(dense, x, *w):
+        return jnp.sum(jnp.sin(moe_kernels.expert_outputs(x, idx, *w[:2], "silu", dense, *w[2:], product=product)))
+
+    want = jax.grad(lambda *a: loss(True, *a), argnums=tuple(range(5)))(x, *w)
+    got = jax.jit(jax.grad(lambda *a: loss(False, *a), argnums=tuple(range(5))))(x, *w)
+    for name, g, h in zip(("x", "gate_up", "down", "gate_up_bias", "down_bias"), got, want):
+        assert_close(g, h, 1e-5, f"grad {name}")
+    tangents = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype), (x, *w))
+    (v, t), (v0, t0) = (jax.jvp(lambda *a: loss(d, *a), (x, *w), tangents) for d in (False, True))
+    assert_close(jnp.stack([v, t]), jnp.stack([v0, t0]), 1e-5, "jvp")
+    batched = jax.vmap(jax.grad(lambda x: loss(False, x, *w)))(jnp.stack([x, -x]))
+    assert_close(batched[0], want[0], 1e-5, "vmap of grad")
+    # vmap: the batch's rows in one call; weights batched too (a vmap over models): item by item
+    of = lambda dense, x, gate_up: moe_kernels.expert_outputs(x, idx, gate_up, w[1], "silu", dense, *w[2:],
+                                                            product=product)
+    xs, gate_ups = jnp.stack([x, -x, 2 * x]), jnp.stack([w[0], -w[0], w[0] / 2])
+    for gate_up in (w[0], gate_ups):
+        batched = gate_up.ndim == 4
+        want = jnp.stack([of(True, xs[i], gate_up[i] if batched else gate_up) for i in range(3)])
+        assert_close(jax.vmap(lambda *a: of(False, *a), (0, 0 if batched else None))(xs, gate_up), want, 1e-6,
+                     f"vmap, weights batched {batched}")
 
 
 def _fused(folder: Path, out: Path) -> Path:

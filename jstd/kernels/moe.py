@@ -197,12 +197,18 @@ def expert_outputs(x: Float[Array, "tokens hidden"], indices: Int[Array, "tokens
                    ) -> Float[Array, "tokens top_k hidden"]:
     """Each chosen expert's output for each token: ``down_e(act(gate_e(x)) · up_e(x))`` with ``gate_up[e]`` the
     gate's columns then the up's (``[hidden, 2 · mlp]``). ``dense``: None chooses (the dense product for at most
-    ``DENSE_EXPERTS`` experts and ``DENSE_PAIRS`` pairs, else ``grouped``), True / False force it. ``gate_up_bias``,
-    ``down_bias``: each expert's biases (gpt-oss); ``product``: ``(gate, up) -> neurons`` in place of
-    ``act(gate) · up`` (gpt-oss' ``clamped``)."""
+    ``DENSE_EXPERTS`` experts and ``DENSE_PAIRS`` pairs, else the grouped product), True / False force it.
+    ``gate_up_bias``, ``down_bias``: each expert's biases (gpt-oss); ``product``: ``(gate, up) -> neurons`` in
+    place of ``act(gate) · up`` (gpt-oss' ``clamped``).
+
+    The grouped product's values come from ``segments`` (each chosen expert's weights taken once, its rows in
+    windows; under ``vmap``, one call on the batch's rows: a ``custom_vmap``); its derivatives (``jax.jvp``,
+    ``jax.grad``: a ``custom_jvp``) from ``grouped``'s tile scan, which JAX can transpose (``segments``'
+    data-dependent loops cannot be). The two agree to float rounding."""
     tokens, k = indices.shape
+    experts = gate_up.shape[0]
     if dense is None:
-        dense = gate_up.shape[0] <= DENSE_EXPERTS and tokens * k <= DENSE_PAIRS
+        dense = experts <= DENSE_EXPERTS and tokens * k <= DENSE_PAIRS
     f = activation(act)
     product = product or (lambda gate, up: f(gate) * up)
     if dense:
@@ -211,15 +217,94 @@ def expert_outputs(x: Float[Array, "tokens hidden"], indices: Int[Array, "tokens
         y = jnp.einsum("etm,emh->eth", product(*jnp.split(h, 2, axis=-1)), down)               # [experts, tokens, hidden]
         y = y if down_bias is None else y + down_bias[:, None]
         return jnp.take_along_axis(jnp.swapaxes(y, 0, 1), indices[..., None], axis=1)
-    bias = lambda b, e: None if b is None else b[e]
-    return grouped(x, indices, lambda xs, e: _expert(xs, gate_up[e], down[e], product, bias(gate_up_bias, e),
-                                                     bias(down_bias, e)), gate_up.shape[0])
+
+    def one(w, e):  # expert e's weights, sliced here once (the barrier keeps XLA from slicing them per window)
+        w = jax.lax.optimization_barrier(jax.tree.map(lambda a: a[e], w))
+        return lambda xs: _expert(xs, w[0], w[1], product, w[2], w[3])
+
+    @jax.custom_batching.custom_vmap
+    def values(x, indices, w):
+        return segments(x, indices, lambda e: one(w, e), experts)
+
+    @values.def_vmap
+    def _(size, batched, x, indices, w):
+        # rows are independent: a batch of calls is one call on the batch's rows (under vmap, data-dependent loops
+        # would run every item to the longest and slice by gathers); weights batched (a vmap over models): in turn
+        spread = lambda a, b: a if b else jnp.broadcast_to(a, (size,) + a.shape)
+        x, indices = spread(x, batched[0]), spread(indices, batched[1])
+        if any(jax.tree.leaves(batched[2])):
+            return jax.lax.map(lambda a: values(*a), (x, indices, jax.tree.map(spread, w, batched[2]))), True
+        y = values(x.reshape(-1, x.shape[-1]), indices.reshape(-1, indices.shape[-1]), w)
+        return y.reshape(indices.shape + y.shape[2:]), True
+
+    @jax.custom_jvp
+    def run(x, w):
+        return values(x, indices, w)
+
+    @run.defjvp
+    def _(primals, tangents):
+        tiles = lambda x, w: grouped(x, indices, lambda xs, e: one(w, e)(xs), experts)
+        return run(*primals), jax.jvp(tiles, primals, tangents)[1]
+
+    return run(x, (gate_up, down, gate_up_bias, down_bias))
 
 
 def _expert(xs, gate_up, down, product, gate_up_bias=None, down_bias=None):
     h = xs @ gate_up
     y = product(*jnp.split(h if gate_up_bias is None else h + gate_up_bias, 2, axis=-1)) @ down
     return y if down_bias is None else y + down_bias
+
+
+def segment_rows(pairs: int, experts: int) -> int:
+    """The rows of ``segments``' large windows: the largest power of two at most an expert's mean share of the
+    ``pairs``, between 16 and 256 (its small windows are a quarter of that, at least 8)."""
+    share = max(1, pairs // experts)
+    return int(min(256, max(16, 1 << (share.bit_length() - 1))))
+
+
+def segments(x: Float[Array, "tokens hidden"], indices: Int[Array, "tokens top_k"], expert, experts: int,
+             window: int | None = None) -> Float[Array, "tokens top_k out"]:
+    """``expert(e)(rows)`` (``expert(e)`` takes its weights once; ``rows`` ``[n, hidden]`` of tokens that chose
+    expert ``e``) for every chosen (token, expert) pair, as ``[tokens, top_k, out]``, touching only the experts
+    some token chose, and each of those once.
+
+    The ``tokens · top_k`` pairs are sorted by expert; a loop over the chosen experts (as many as there are) takes
+    each one's weights, then its contiguous segment of sorted rows in windows of ``window`` rows (``segment_rows``)
+    while that many remain and of a quarter of that for the rest. A window that runs past its segment computes
+    the next expert's first rows with this expert's weights; the next expert's windows overwrite them (and the
+    rows past the last segment are padding, dropped), so every pair's row is its own expert's. Memory is
+    O(pairs · hidden); the work is that of the pairs plus at most one small window an expert. The loops are
+    data-dependent (``lax.while_loop``): values and ``vmap`` only, no transpose (``expert_outputs`` differentiates
+    through ``grouped``). ``jax.lax.ragged_dot`` would compute every expert for every row on the CPU."""
+    tokens, k = indices.shape
+    pairs, hidden = tokens * k, x.shape[-1]
+    big = window or segment_rows(pairs, experts)
+    small = max(8, big // 4)
+    big = max(1, min(big, pairs))  # no larger than the rows (and their padding) it slices
+    flat = indices.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                                # pair order grouped by expert
+    sizes = jnp.bincount(flat, length=experts)
+    ends = jnp.cumsum(sizes)
+    chosen = jnp.nonzero(sizes, size=experts, fill_value=0)[0]           # the chosen experts first, ascending
+    rows = jnp.concatenate([x[order // k], jnp.zeros((small, hidden), x.dtype)])  # padding: the last overrun
+    out = jax.eval_shape(lambda r: expert(0)(r), rows[:small])
+
+    def over(f, size, pos, end, y, more):  # f on windows of `size` rows from pos while `more(pos, end)`
+        def step(c):
+            pos, y = c
+            return pos + size, jax.lax.dynamic_update_slice_in_dim(y, f(jax.lax.dynamic_slice_in_dim(
+                rows, pos, size)), pos, 0)
+        return jax.lax.while_loop(lambda c: more(*c[:1], end), step, (pos, y))
+
+    def one(i, y):
+        e = chosen[i]
+        f, end = expert(e), ends[e]
+        pos, y = over(f, big, end - sizes[e], end, y, lambda pos, end: end - pos >= big)
+        return over(f, small, pos, end, y, lambda pos, end: pos < end)[1]
+
+    y = jax.lax.fori_loop(0, jnp.count_nonzero(sizes), one, jnp.zeros((pairs + small,) + out.shape[1:], out.dtype))
+    inverse = jnp.zeros(pairs, jnp.int32).at[order].set(jnp.arange(pairs, dtype=jnp.int32), unique_indices=True)
+    return y[inverse].reshape(tokens, k, *out.shape[1:])
 
 
 def tile_rows(pairs: int, experts: int) -> int:
