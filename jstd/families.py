@@ -35,6 +35,7 @@ from jstd.models.qwen3_moe import Qwen3Moe, Qwen3VLMoeText
 from jstd.models.gpt_oss import GptOss
 from jstd.models.phimoe import Phimoe
 from jstd.models.qwen2_moe import Qwen2Moe
+from jstd.models.deepseek_v2 import DeepseekV2, DeepseekV3
 from jstd.vision.deepseek_vl import DeepseekVL
 from jstd.vision.gemma3 import Gemma3
 from jstd.vision.idefics3 import Idefics3, SmolVLM
@@ -60,6 +61,8 @@ FAMILIES |= {t: f for f in (Qwen3Moe, Qwen3VLMoeText, Olmoe, Mixtral, Qwen3_5Moe
 
 # families with new attention and routing (issue 38): attention sinks, sparsemixer, a shared expert
 FAMILIES |= {t: f for f in (GptOss, Qwen2Moe, Phimoe) for t in f.model_types}
+# multi-head latent attention and DeepSeek's routers (issue 38)
+FAMILIES |= {t: f for f in (DeepseekV2, DeepseekV3) for t in f.model_types}
 
 # model_types jstd knowingly does not serve, with the reason the loader gives
 REFUSED: dict[str, str] = {}
