@@ -2,7 +2,8 @@
 
 Sizes: 64 wide, 4 heads, 3 blocks (block 0 dense: ``first_k_dense_replace`` 1, its MLP 96 wide), vocabulary 97,
 ``kv_lora_rank`` 32, ``qk_nope_head_dim`` 16, ``qk_rope_head_dim`` 8, ``v_head_dim`` 12 (not the keys' 24), 8
-experts 32 wide, top-2, two shared experts (one MLP 64 wide). ``deepseek_v2``: V2-Lite's form (no ``q_lora_rank``:
+experts 32 wide, top-2, two shared experts (one MLP 64 wide), no EOS id (a generation never ends early, in
+transformers' ``generate`` as in jstd's). ``deepseek_v2``: V2-Lite's form (no ``q_lora_rank``:
 a full ``q_proj``), ``group_limited_greedy`` over 4 groups of which 2, ``routed_scaling_factor`` 1.5, YaRN with
 ``mscale`` 1 and ``mscale_all_dim`` 0.8 (so both the cos/sin factor and the softmax scale's ``mscale ** 2`` differ
 from 1). ``deepseek_v3``: V3's form (``q_lora_rank`` 24, sigmoid routing with an ``e_score_correction_bias`` of
@@ -13,8 +14,8 @@ O(0.3), so the choice differs from the weights' order, over 4 groups of which 2,
 ``q_a_layernorm`` / ``kv_a_layernorm`` (hooks), ``rope_keys`` at the key output of the family's rotary function
 (bound, for a call, in place of ``apply_rotary_emb`` / ``apply_rotary_pos_emb[_interleave]``: it taps the rotated
 shared key and hands the edited one on). The router's outputs are sorted by expert index (torch's
-``topk(sorted=False)`` order is unspecified; jstd gives ascending expert order), which changes nothing the experts
-loop sums.
+``topk(sorted=False)`` order is unspecified; jstd gives ascending expert order); that moves only the order of the
+experts loop's rows (float32 rounding).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from reference.moe import PLAN, MoEReference
 BASE = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
             intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2,
             num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-            v_head_dim=12, max_position_embeddings=64, rms_norm_eps=1e-6)
+            v_head_dim=12, max_position_embeddings=64, rms_norm_eps=1e-6, eos_token_id=None)
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, beta_fast=32.0,
             beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
 CASES = {
@@ -57,6 +58,13 @@ def make(config, folder, seed: int = 0):
     return make_checkpoint(config, folder, seed, adjust=adjust)
 
 
+def sorted_routers(model) -> None:
+    """Every router of a transformers DeepSeek model returning its choices in ascending expert order."""
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.forward = _sorted_router(layer.mlp.gate)
+
+
 def _sorted_router(router):
     """``router.forward`` returning its choices in ascending expert order (weights permuted alike)."""
     original = router.forward
@@ -78,9 +86,7 @@ class DeepseekReference(MoEReference):
         if self.model.config.q_lora_rank is not None:
             plan[LATENT + "q_latent"] = ("model.layers.{i}.self_attn.q_a_layernorm", "out")
         self.plan = plan
-        for layer in self.model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.forward = _sorted_router(layer.mlp.gate)
+        sorted_routers(self.model)
 
     def sites(self):
         return super().sites() + (LATENT + "rope_keys",)

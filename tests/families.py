@@ -18,6 +18,7 @@ from transformers import (CLIPVisionConfig, DeepseekVLConfig, HyperCLOVAXConfig,
 from transformers import LlavaNextConfig
 
 import classic_cases
+import deepseek_cases
 import gpt2_neox_cases
 import gpt_oss_cases
 import llama_cases
@@ -328,6 +329,9 @@ CASES.update({
 CASES.update({"-".join(filter(None, ("gpt_oss", c))): Spec(lambda c=c: gpt_oss_cases.config(c), make=gpt_oss_cases.make,
                                                           reference=gpt_oss_cases.GptOssReference, seed=3)
               for c in gpt_oss_cases.CASES})
+# DeepSeek-V2 / V3: multi-head latent attention, DeepSeek's routers (tests/deepseek_cases.py)
+CASES.update({name: Spec(config, make=deepseek_cases.make, reference=deepseek_cases.DeepseekReference, seed=4)
+              for name, config in deepseek_cases.CASES.items()})
 MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "qwen3_5_text-released", "clip", "siglip",
         "llava", "idefics3", "qwen2_5_vl", "gemma-2b",
         "gpt2-small", "gpt_neox-parallel", "qwen3_moe", "gptj-6b", "opt-125m", "bloom-560m")
