@@ -4,11 +4,12 @@ Sizes: 64 wide, 4 heads, 3 blocks (block 0 dense: ``first_k_dense_replace`` 1, i
 ``kv_lora_rank`` 32, ``qk_nope_head_dim`` 16, ``qk_rope_head_dim`` 8, ``v_head_dim`` 12 (not the keys' 24), 8
 experts 32 wide, top-2, two shared experts (one MLP 64 wide), no EOS id (a generation never ends early, in
 transformers' ``generate`` as in jstd's). ``deepseek_v2``: V2-Lite's form (no ``q_lora_rank``:
-a full ``q_proj``), ``group_limited_greedy`` over 4 groups of which 2, ``routed_scaling_factor`` 1.5, YaRN with
+a full ``q_proj``; ``attention_bias``), ``group_limited_greedy`` over 4 groups of which 2, ``routed_scaling_factor``
+1.5, YaRN with
 ``mscale`` 1 and ``mscale_all_dim`` 0.8 (so both the cos/sin factor and the softmax scale's ``mscale ** 2`` differ
 from 1). ``deepseek_v3``: V3's form (``q_lora_rank`` 24, sigmoid routing with an ``e_score_correction_bias`` of
 O(0.3), so the choice differs from the weights' order, over 4 groups of which 2, ``norm_topk_prob``, scaling 2.5,
-``rope_interleave``); ``deepseek_v3-halves``: ``rope_interleave`` off, ``attention_bias``, one group.
+``rope_interleave``).
 
 ``DeepseekReference`` is ``MoEReference`` with the latent values: ``q_latent`` / ``kv_latent`` at the outputs of
 ``q_a_layernorm`` / ``kv_a_layernorm`` (hooks), ``rope_keys`` at the key output of the family's rotary function
@@ -36,12 +37,10 @@ YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_posit
             beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
 CASES = {
     "deepseek_v2": lambda: DeepseekV2Config(**BASE, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
-                                            topk_group=2, routed_scaling_factor=1.5, rope_parameters=dict(YARN)),
+                                            topk_group=2, routed_scaling_factor=1.5, attention_bias=True,
+                                            rope_parameters=dict(YARN)),
     "deepseek_v3": lambda: DeepseekV3Config(**BASE, q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
                                             routed_scaling_factor=2.5, rope_parameters=dict(YARN)),
-    "deepseek_v3-halves": lambda: DeepseekV3Config(**BASE, q_lora_rank=24, n_group=1, topk_group=1,
-                                                   rope_interleave=False, attention_bias=True,
-                                                   rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
 }
 LATENT = "layers.self_attn."
 ROTARIES = ("apply_rotary_emb", "apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")

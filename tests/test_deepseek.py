@@ -29,32 +29,48 @@ V2, V3 = "deepseek_v2", "deepseek_v3"
 A, M = "layers.self_attn.", "layers.mlp."
 
 
-def test_block_identity_and_edits_match_torch_hooks(zoo):
-    """The block identity on both families; on V2 (group-limited softmax routing) scaling mlp_output, adding to a
-    block's output, zeroing a value head, a uniform pattern, a router re-route (expert 0 out of every top-k) and
-    ablating each token's first choice (the lowest expert id), each as torch's hooks make it."""
+def test_edits_match_torch_hooks(zoo):
+    """The block identity on both families; on V3 (low-rank queries, sigmoid routing) in one compiled program, each
+    edit switched on by its ``where``, as torch's hooks make them: scaling mlp_output, zeroing a value head, a
+    uniform pattern, a router re-route (the expert most chosen at the last block out of every top-k), ablating each
+    token's first choice (its lowest expert id), and the latents (q_a_layernorm's and kv_a_layernorm's outputs, the
+    rotated shared key the rotary hands on): scaling kv_latent on one block, adding to q_latent at the last
+    position, zeroing rope_keys everywhere (every head's key then ends in zeros)."""
     conformance.test_block_identity(zoo, V2)
     conformance.test_block_identity(zoo, V3)
-    edits.test_edits_match_torch_hooks(zoo, V2)
-
-
-def test_latent_edits_match_torch_hooks(zoo):
-    """Edits of the latents as torch's hooks make them (q_a_layernorm's and kv_a_layernorm's outputs, the rotated
-    shared key handed on by the rotary): scaling kv_latent on one block, adding to q_latent at the last position,
-    zeroing rope_keys everywhere; one compiled program, each edit switched on by its ``where``."""
     _, _, model, ref, spec = zoo(V3)
     tokens, _ = spec.inputs(model, seed=7)
-    reads = ("layers.layer_output", A + "attention_keys", A + "attention_values")
+    out, _ = zoo.every_value(V3)
+    last, c = model.blocks_for(M + "router_logits")[-1], model.config
+    drop = np.zeros(c.num_experts, np.float32)
+    drop[np.bincount(np.asarray(out[M + "expert_indices"][-1]).ravel(), minlength=c.num_experts).argmax()] = -np.inf
     v = np.random.default_rng(3).normal(size=model.layers.slots[0].attn.q_a.shape[-1]).astype(np.float32)
+    pattern = np.tril(np.ones((11, 11), np.float32))
+    pattern /= pattern.sum(-1, keepdims=True)
 
-    def add_last(t):
-        t = t.clone()
-        t[:, -1] += torch.from_numpy(v)
-        return t
+    def at(j, value):
+        def edit(t):
+            t = t.clone()
+            t[j] = value(t[j])
+            return t
+        return edit
 
-    cases = (([jstd.Scale(A + "kv_latent", 0.5, layer=1)], [TorchEdit(A + "kv_latent", lambda t: t * 0.5, 1)]),
-             ([jstd.Add(A + "q_latent", v, positions=-1)], [TorchEdit(A + "q_latent", add_last)]),
-             ([jstd.Zero(A + "rope_keys")], [TorchEdit(A + "rope_keys", torch.zeros_like)]))
+    last_position = lambda t: at((slice(None), -1), lambda x: x + torch.from_numpy(v))(t)
+    cases = (
+        ([jstd.Scale(M + "mlp_output", 0.5)], [TorchEdit(M + "mlp_output", lambda t: t * 0.5)]),
+        ([jstd.Zero(A + "attention_values", layer=1, heads=3)],
+         [TorchEdit(A + "attention_values", at((slice(None), 3), torch.zeros_like), 1)]),
+        ([jstd.Set(A + "attention_probabilities", pattern, layer=2)],
+         [TorchEdit(A + "attention_probabilities", lambda t: torch.from_numpy(pattern).expand_as(t).clone(), 2)]),
+        ([jstd.Add(M + "router_logits", drop, layer=last)],
+         [TorchEdit(M + "router_logits", lambda t: t + torch.from_numpy(drop), last)]),
+        ([jstd.Zero(M + "expert_outputs", layer=last, where=np.arange(c.experts_per_token)[:, None] == 0)],
+         [TorchEdit(M + "expert_outputs", at((slice(None), slice(None), 0), torch.zeros_like), last)]),
+        ([jstd.Scale(A + "kv_latent", 0.5, layer=1)], [TorchEdit(A + "kv_latent", lambda t: t * 0.5, 1)]),
+        ([jstd.Add(A + "q_latent", v, positions=-1)], [TorchEdit(A + "q_latent", last_position)]),
+        ([jstd.Zero(A + "rope_keys")], [TorchEdit(A + "rope_keys", torch.zeros_like)]),
+    )
+    reads = ("layers.layer_output", A + "attention_keys")
 
     @jax.jit
     def edited(on):
@@ -63,61 +79,48 @@ def test_latent_edits_match_torch_hooks(zoo):
 
     clean = ref.run(tokens, reads=("logits",))["logits"]
     for i, (_, torch_edits) in enumerate(cases):
-        out = edited(jnp.arange(len(cases)) == i)
+        got = edited(jnp.arange(len(cases)) == i)
         want = ref.run(tokens, reads=reads + ("logits",), edits=torch_edits)
         assert np.abs(want["logits"] - clean).max() > 1e-3, f"edit {i} changes nothing"
-        assert_sites_close(out, want, reads, 1e-5, f"latent edit {i}")
-    keys = np.asarray(edited(jnp.arange(len(cases)) == 2)[A + "attention_keys"])
-    np.testing.assert_array_equal(keys[..., 16:], 0)  # the rotary part of every head's key is rope_keys
+        assert_sites_close(got, want, reads, 1e-5, f"{V3}: edit {i}")
+    np.testing.assert_array_equal(np.asarray(got[A + "attention_keys"])[..., 16:], 0)
 
 
 def test_keys_are_the_shared_rotary_key_broadcast(zoo):
-    """Every head's key ends with rope_keys (the same numbers in each head); kv_latent is what kv_b expands into the
-    keys' unrotated parts and the values; the values are v_head_dim wide, not the keys' width."""
+    """Every head's key ends with rope_keys (the same numbers in each head); the values are v_head_dim wide, not
+    the keys' width; V2-Lite's form has no q_latent (a full q_proj)."""
     model = zoo(V2).model
     out, _ = zoo.every_value(V2)
     keys, rope = np.asarray(out[A + "attention_keys"]), np.asarray(out[A + "rope_keys"])
     attn = model.layers.slots[0].attn
     np.testing.assert_array_equal(keys[..., attn.nope:], np.broadcast_to(rope[:, :, None], keys[..., attn.nope:].shape))
     assert out[A + "attention_values"].shape[-1] == 12 and keys.shape[-1] == 24
-    assert out[A + "kv_latent"].shape[-1] == 32 and A + "q_latent" not in model.sites  # V2-Lite's full q_proj
+    assert out[A + "kv_latent"].shape[-1] == 32 and A + "q_latent" not in model.sites
     assert A + "q_latent" in zoo(V3).model.sites
 
 
-def test_left_padding_and_continuation(zoo):
-    """Left-padded rows equal their unpadded prompts on the explicit path; a Context (the latent cache) continues a
-    prefix with the whole run's values."""
-    conformance.test_left_padding(zoo, V2, "explicit")
-    conformance.test_context_continues_the_run(zoo, V2)
+def test_generation_caches_the_latent_and_equals_transformers(zoo):
+    """Greedy generation (7-token prompts, one left-padded by 2, 6 new tokens; the cases have no EOS id) equals
+    transformers' generate, tokens and each step's logits; the cache holds each block's kv_latent and rope_keys
+    (kv_lora_rank + qk_rope_head_dim numbers a position, not heads · (qk_head_dim + v_head_dim)); a generation with
+    a kv_latent edit equals jstd.run on the whole sequence with that edit, step by step; an edit of
+    attention_keys in generate is refused, naming the latent. A Context continues a prefix through the latent too."""
+    from jstd.generate.budget import preallocated_bytes
+    from jstd.generate.cache import prefill
 
-
-@pytest.mark.parametrize("name", [V2, V3])
-def test_generation_equals_transformers(zoo, name):
-    """Greedy generation (7-token prompts, one left-padded by 2, 6 new tokens; the cases have no EOS id) equals transformers' generate, tokens and each step's logits (V2's float32 complex
-    rotary, V3's de-interleaved one)."""
-    _, _, model, ref, _ = zoo(name)
+    _, _, model, ref, _ = zoo(V2)
     tokens, mask = generate.left_padded(model)
     gen = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=generate.NEW)
     want_tokens, want_logits = generate.torch_generate(ref, dict(input_ids=tokens, attention_mask=mask))
     np.testing.assert_array_equal(np.asarray(gen.tokens), want_tokens)
-    assert_close(gen.logits, want_logits, 1e-5, f"{name}: step logits")
+    assert_close(gen.logits, want_logits, 1e-5, f"{V2}: step logits")
 
-
-def test_generate_caches_the_latent(zoo):
-    """The cache holds each block's kv_latent and rope_keys (kv_lora_rank + qk_rope_head_dim numbers a position,
-    not heads · (qk_head_dim + v_head_dim)); a generation with a kv_latent edit equals jstd.run on the whole sequence
-    with that edit, step by step; an edit of attention_keys in generate is refused, naming the latent."""
-    from jstd.generate.budget import preallocated_bytes
-    from jstd.generate.cache import prefill
-
-    model = zoo(V2).model
-    tokens, mask = generate.left_padded(model)
-    _, cache = prefill(model, jstd.Inputs(tokens, mask), (), generate.NEW)
+    _, cache = jax.eval_shape(lambda m: prefill(m, jstd.Inputs(tokens, mask), (), generate.NEW), model)
     blocks, total = model.config.num_layers, tokens.shape[1] + generate.NEW
     assert cache.keys.shape == (blocks, 2, 1, total, 32) and cache.values.shape == (blocks, 2, 1, total, 8)
-    per_position = blocks * (32 + 8)
     assert preallocated_bytes(model, 2, tokens.shape[1], generate.NEW) == (
-        per_position * 2 * total * 4 + 2 * generate.NEW * 2 * 97 * 4 + 2 * total * 4)
+        blocks * (32 + 8) * 2 * total * 4 + 2 * generate.NEW * 2 * 97 * 4 + 2 * total * 4)
+
     edit = jstd.Scale(A + "kv_latent", 0.25, layer=2, positions=(3, 8))
     gen = jstd.generate(model, tokens, [edit], attention_mask=mask, max_new_tokens=generate.NEW)
     whole = jit_run(model, jstd.Inputs(np.asarray(gen.tokens), np.concatenate([mask, np.ones((2, generate.NEW),
@@ -126,6 +129,7 @@ def test_generate_caches_the_latent(zoo):
     with pytest.raises(ValueError, match="caches kv_latent and rope_keys.*Edit layers.self_attn.kv_latent"):
         jstd.generate(model, tokens, [jstd.Zero(A + "attention_keys", layer=0)], attention_mask=mask,
                       max_new_tokens=2)
+    conformance.test_context_continues_the_run(zoo, V2)
 
 
 def test_routing_from_the_router_logits(zoo):
@@ -243,8 +247,8 @@ def test_published_configs_are_read_whole_and_fp8_is_refused(tmp_path):
 def test_v2_lite_attention_sizes_match_transformers(tmp_path):
     """DeepSeek-V2-Lite's config at 2 blocks with random weights, its attention at the published sizes (16 heads,
     kv_lora_rank 512, 128 + 64 query/key dims, 128 value dims, YaRN factor 40) and its 64 experts top-6, the
-    vocabulary and the MLP widths cut (for the suite's memory): every value within 5e-5 of transformers in
-    float32 on 2 × 9 tokens."""
+    vocabulary and the MLP widths cut (for the suite's memory): the stream, the latents, queries, the pattern and
+    the routing within 5e-5 of transformers in float32 on 2 × 9 tokens."""
     from deepseek_cases import DeepseekReference, make
 
     config = _config(tmp_path / "cfg", {**LITE, "vocab_size": 512, "intermediate_size": 256,
@@ -252,9 +256,10 @@ def test_v2_lite_attention_sizes_match_transformers(tmp_path):
     folder = make(config, tmp_path / "lite", seed=5)
     model, ref = jstd.load(folder), DeepseekReference(folder)
     tokens = np.random.default_rng(2).integers(0, 512, (2, 9))
-    out = jit_run(model, tokens, reads=tuple(sorted(model.sites)))
-    want = ref.run(tokens)
-    assert_sites_close(out, want, tuple(sorted(model.sites)), 5e-5, "DeepSeek-V2-Lite")
+    reads = ("layers.layer_output", A + "kv_latent", A + "rope_keys", A + "attention_queries",
+             A + "attention_probabilities", M + "router_weights", M + "expert_indices", M + "shared_expert_output")
+    assert_sites_close(jit_run(model, tokens, reads=reads), ref.run(tokens, reads=reads + ("logits",)), reads, 5e-5,
+                       "DeepSeek-V2-Lite")
 
 
 def test_convert_and_export_round_trip(zoo, tmp_path):
