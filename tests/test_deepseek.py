@@ -18,12 +18,12 @@ import torch
 import jstd
 import test_conformance as conformance
 import test_conformance_edits as edits
+import test_convert as convert
 import test_generate as generate
 import test_moe
 from conftest import assert_close
 from reference.cases import assert_sites_close, jit_run
 from reference.harness import TorchEdit
-import test_convert as convert
 
 V2, V3 = "deepseek_v2", "deepseek_v3"
 A, M = "layers.self_attn.", "layers.mlp."
@@ -72,18 +72,8 @@ def test_edits_match_torch_hooks(zoo):
     )
     reads = ("layers.layer_output", A + "attention_keys")
 
-    @jax.jit
-    def edited(on):
-        return jstd.run(model, tokens, [edits._switched(e, on[i]) for i, (es, _) in enumerate(cases) for e in es],
-                        reads=reads)
-
-    clean = ref.run(tokens, reads=("logits",))["logits"]
-    for i, (_, torch_edits) in enumerate(cases):
-        got = edited(jnp.arange(len(cases)) == i)
-        want = ref.run(tokens, reads=reads + ("logits",), edits=torch_edits)
-        assert np.abs(want["logits"] - clean).max() > 1e-3, f"edit {i} changes nothing"
-        assert_sites_close(got, want, reads, 1e-5, f"{V3}: edit {i}")
-    np.testing.assert_array_equal(np.asarray(got[A + "attention_keys"])[..., 16:], 0)
+    outs = edits.assert_switched_edits_match(model, ref, tokens, cases, reads, V3)
+    np.testing.assert_array_equal(np.asarray(outs[len(cases) - 1][A + "attention_keys"])[..., 16:], 0)
 
 
 def test_keys_are_the_shared_rotary_key_broadcast(zoo):

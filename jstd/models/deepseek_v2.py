@@ -39,7 +39,7 @@ import numpy as np
 from jstd.core.config import ModelConfig
 from jstd.kernels.rope import Rotary
 from jstd.kernels.rope_config import rotary_from_config
-from jstd.models.family import TextFamily
+from jstd.models.family import TextFamily, refuse_quantized
 from jstd.models.qwen3_moe import DENSE
 from jstd.nn.block import LLAMA_NAMES, Block
 from jstd.nn.latent_attention import LatentAttention
@@ -62,18 +62,6 @@ def yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def refuse_quantized(hf, family: str) -> None:
-    """ValueError naming a quantised checkpoint (DeepSeek-V3's hub weights are FP8 blocks with scales) and the fix."""
-    quantization = getattr(hf, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
-            quantization, "quant_method", quantization)
-        raise ValueError(f"{family}: the checkpoint is quantised (quantization_config quant_method={method!r}: FP8 "
-                         "weights with per-block scales); jstd loads floating-point weights: use a bfloat16 copy "
-                         "(DeepSeek's fp8_cast_bf16.py, or a published BF16 conversion), without the "
-                         "quantization_config")
-
-
 class DeepseekV2(TextFamily):
     family = "deepseek_v2"
     model_types = ("deepseek_v2",)
@@ -86,7 +74,9 @@ class DeepseekV2(TextFamily):
 
     @classmethod
     def standard_config(cls, hf) -> ModelConfig:
-        refuse_quantized(hf, cls.family)
+        refuse_quantized(hf, cls.family, "FP8 weights with per-block scales",
+                         "use a bfloat16 copy (DeepSeek's fp8_cast_bf16.py, or a published BF16 conversion), without "
+                         "the quantization_config")
         if (hf.num_key_value_heads or hf.num_attention_heads) != hf.num_attention_heads:
             raise ValueError(f"{cls.family}: num_key_value_heads={hf.num_key_value_heads} differs from "
                              f"num_attention_heads={hf.num_attention_heads}; multi-head latent attention expands its "
