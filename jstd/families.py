@@ -82,7 +82,8 @@ def family_for(model_type: str | None, where: str = "the config"):
 
 # where transformers' default config is not one its model runs, the changes that make it one (the sites are the
 # same): Gemma 3's default SigLIP has a 14 × 14 patch grid, which 256 image tokens cannot pool
-WORKING_DEFAULTS = {"gemma3": {"mm_tokens_per_image": 196}}
+WORKING_DEFAULTS = {"gemma3": {"mm_tokens_per_image": 196},
+                    "deepseek_v2": {"num_experts_per_tok": 6}}  # its default leaves the top-k unset (V2-Lite's 6)
 
 
 def served_sites() -> dict[str, tuple[str, ...]]:

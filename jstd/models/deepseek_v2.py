@@ -82,6 +82,9 @@ class DeepseekV2(TextFamily):
                              f"num_attention_heads={hf.num_attention_heads}; multi-head latent attention expands its "
                              "latent into every head's own key and value (transformers' MLA fails otherwise): set "
                              "num_key_value_heads to num_attention_heads")
+        if not hf.num_experts_per_tok:
+            raise ValueError(f"{cls.family}: num_experts_per_tok={hf.num_experts_per_tok!r}: the router needs the "
+                             "number of experts each token takes (6 on DeepSeek-V2-Lite and V2, 8 on V3); set it")
         c = ModelConfig(
             model_type=hf.model_type, num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
             num_heads=hf.num_attention_heads, num_kv_heads=hf.num_attention_heads, head_dim=hf.v_head_dim,
