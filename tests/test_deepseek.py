@@ -252,6 +252,24 @@ def test_v2_lite_attention_sizes_match_transformers(tmp_path):
                        "DeepSeek-V2-Lite")
 
 
+def test_v3_without_rope_interleave_matches_transformers(tmp_path):
+    """V3 with ``rope_interleave`` off (Llama's rotary on the rope dims), one group (no group limit) and 2 blocks:
+    queries, keys, the stream and the logits within 1e-5 of transformers."""
+    from transformers import DeepseekV3Config
+
+    from deepseek_cases import BASE, DeepseekReference, make
+
+    config = DeepseekV3Config(**{**BASE, "num_hidden_layers": 2}, q_lora_rank=24, n_group=1, topk_group=1,
+                              rope_interleave=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    folder = make(config, tmp_path / "halves", seed=4)
+    model, ref = jstd.load(folder), DeepseekReference(folder)
+    assert model.layers.slots[0].attn.rotary == "halves"
+    tokens = np.random.default_rng(1).integers(0, 97, (2, 9))
+    reads = ("layers.layer_output", A + "attention_queries", A + "attention_keys", A + "rope_keys")
+    assert_sites_close(jit_run(model, tokens, reads=reads), ref.run(tokens, reads=reads + ("logits",)), reads, 1e-5,
+                       "rope_interleave off")
+
+
 def test_convert_and_export_round_trip(zoo, tmp_path):
     """Convert and export give back every tensor bit for bit (the float32 router and score-correction bias in
     their dtype); transformers loads the export with the original's logits."""
