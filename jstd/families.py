@@ -36,6 +36,7 @@ from jstd.models.qwen3_moe import Qwen3Moe, Qwen3VLMoeText
 from jstd.models.gpt_oss import GptOss
 from jstd.models.phimoe import Phimoe
 from jstd.models.qwen2_moe import Qwen2Moe
+from jstd.models.deepseek_v2 import DeepseekV2, DeepseekV3
 from jstd.vision.deepseek_vl import DeepseekVL
 from jstd.vision.gemma3 import Gemma3
 from jstd.vision.idefics3 import Idefics3, SmolVLM
@@ -63,6 +64,8 @@ FAMILIES |= {t: f for f in (Qwen3Moe, Qwen3VLMoeText, Olmoe, Mixtral, Qwen3_5Moe
 FAMILIES |= {t: f for f in (GptOss, Qwen2Moe, Phimoe) for t in f.model_types}
 # Llama 4: chunked attention, NoPE blocks with temperature tuning, input-weighted top-1 experts (jstd.models.llama4)
 FAMILIES |= {t: f for f in (Llama4Text, Llama4) for t in f.model_types}
+# multi-head latent attention and DeepSeek's routers (issue 38)
+FAMILIES |= {t: f for f in (DeepseekV2, DeepseekV3) for t in f.model_types}
 
 # model_types jstd knowingly does not serve, with the reason the loader gives
 REFUSED: dict[str, str] = {}
@@ -82,7 +85,8 @@ def family_for(model_type: str | None, where: str = "the config"):
 
 # where transformers' default config is not one its model runs, the changes that make it one (the sites are the
 # same): Gemma 3's default SigLIP has a 14 × 14 patch grid, which 256 image tokens cannot pool
-WORKING_DEFAULTS = {"gemma3": {"mm_tokens_per_image": 196}}
+WORKING_DEFAULTS = {"gemma3": {"mm_tokens_per_image": 196},
+                    "deepseek_v2": {"num_experts_per_tok": 6}}  # its default leaves the top-k unset (V2-Lite's 6)
 
 
 def served_sites() -> dict[str, tuple[str, ...]]:

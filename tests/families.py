@@ -18,6 +18,7 @@ from transformers import (CLIPVisionConfig, DeepseekVLConfig, HyperCLOVAXConfig,
 from transformers import LlavaNextConfig
 
 import classic_cases
+import deepseek_cases
 import gpt2_neox_cases
 import gpt_oss_cases
 import llama4_cases
@@ -333,6 +334,9 @@ CASES.update({"-".join(filter(None, ("gpt_oss", c))): Spec(lambda c=c: gpt_oss_c
 CASES.update({"-".join(filter(None, ("llama4_text", c))): Spec(lambda c=c: llama4_cases.config(c), make=llama4_cases.make,
                                                               reference=llama4_cases.Llama4Reference, seed=3)
               for c in llama4_cases.CASES})
+# DeepSeek-V2 / V3: multi-head latent attention, DeepSeek's routers (tests/deepseek_cases.py)
+CASES.update({name: Spec(config, make=deepseek_cases.make, reference=deepseek_cases.DeepseekReference, seed=4)
+              for name, config in deepseek_cases.CASES.items()})
 MAIN = ("llama-gqa", "hyperclovax-residual", "olmo_hybrid-rotary_grouped", "qwen3_5_text-released", "clip", "siglip",
         "llava", "idefics3", "qwen2_5_vl", "gemma-2b",
         "gpt2-small", "gpt_neox-parallel", "qwen3_moe", "gptj-6b", "opt-125m", "bloom-560m")

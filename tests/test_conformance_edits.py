@@ -112,6 +112,26 @@ def test_edits_match_torch_hooks(zoo, name):
         assert_sites_close(out, want, reads, 1e-5, f"{name}: {label}")
 
 
+def assert_switched_edits_match(model, ref, tokens, cases, reads, label: str) -> dict:
+    """Each case ``(jstd edits, torch edits)`` of ``cases`` in one compiled program, switched on by its ``where``
+    (one compile), against the same edits through torch's hooks: ``reads`` and the logits within 1e-5, and each
+    edit changes the logits. Returns each case's jstd output by index."""
+
+    @jax.jit
+    def edited(on):
+        return jstd.run(model, tokens, [_switched(e, on[i]) for i, (es, _) in enumerate(cases) for e in es],
+                        reads=reads)
+
+    clean = ref.run(tokens, reads=("logits",))["logits"]
+    outs = {}
+    for i, (_, torch_edits) in enumerate(cases):
+        outs[i] = edited(jnp.arange(len(cases)) == i)
+        want = ref.run(tokens, reads=tuple(reads) + ("logits",), edits=torch_edits)
+        assert np.abs(want["logits"] - clean).max() > 1e-3, f"{label}: edit {i} changes nothing"
+        assert_sites_close(outs[i], want, reads, 1e-5, f"{label}: edit {i}")
+    return outs
+
+
 def _switched(edit, on):
     """``edit`` applied only where ``on`` (a traced boolean scalar) holds, beside its own ``where``."""
     where = on if edit.where is None else jnp.logical_and(jnp.asarray(edit.where, bool), on)

@@ -21,7 +21,7 @@ import test_conformance_edits as edits
 import test_convert as convert
 import test_generate as generate
 from conftest import assert_close
-from reference.cases import assert_sites_close, jit_run
+from reference.cases import jit_run
 from reference.harness import TorchEdit
 
 NAME = "gpt_oss"
@@ -91,20 +91,9 @@ def test_sink_probability_edit_matches_torch(zoo):
               [TorchEdit(A + "sink_probability", lambda t: torch.full_like(t, 0.5), 1)]),
              ([jstd.Zero(A + "sink_probability")], [TorchEdit(A + "sink_probability", torch.zeros_like)]))
 
-    @jax.jit
-    def edited(on):
-        return jstd.run(model, tokens, [edits._switched(e, on[i]) for i, (es, _) in enumerate(cases) for e in es],
-                        reads=reads)
-
-    clean = ref.run(tokens, reads=("logits",))["logits"]
-    for i, (_, torch_edits) in enumerate(cases):
-        out = edited(jnp.arange(len(cases)) == i)
-        want = ref.run(tokens, reads=reads + ("logits",), edits=torch_edits)
-        assert np.abs(want["logits"] - clean).max() > 1e-3, f"edit {i} changes nothing"
-        assert_sites_close(out, want, reads, 1e-5, f"{NAME}: edit {i}")
-        if i == 1:
-            rows = np.asarray(out[A + "attention_probabilities"]).sum(-1)
-            assert_close(rows, np.ones_like(rows), 1e-6, "no sinks: every row sums to 1")
+    outs = edits.assert_switched_edits_match(model, ref, tokens, cases, reads, NAME)
+    rows = np.asarray(outs[1][A + "attention_probabilities"]).sum(-1)
+    assert_close(rows, np.ones_like(rows), 1e-6, "no sinks: every row sums to 1")
 
 
 PUBLISHED_20B = {  # https://huggingface.co/openai/gpt-oss-20b config.json, cut to 2 blocks

@@ -319,6 +319,8 @@ PLACEMENT = {
     "patch_in":        (None, None, None, None, None),
     "positions":       (None, None, None, None, None),
     "expert_gate":     (None, None, None, None, None),
+    "q_lora":          (None, None, None, None, None),  # a latent's rank: every head reads the whole latent
+    "kv_lora":         (None, None, None, None, None),
 }
 SETS = ("DP", "FSDP", "TP", "FSDP_TP", "EP")
 

@@ -41,6 +41,24 @@ STATES, MIXER_INPUTS = "layers.linear_attn.states", "layers.attention_norm_outpu
 POSITIONS = "positions"  # multimodal RoPE's position ids
 
 
+def cache_layout(model) -> tuple[tuple[str, tuple[int, int]], tuple[str, tuple[int, int]]]:
+    """What each softmax-attention block caches per position, for ``Context.keys`` and ``Context.values``: ``((site,
+    (heads, width)), (site, (heads, width)))``. The keys and values (``num_kv_heads`` heads of ``head_dim``) on
+    every family but multi-head latent attention, whose blocks cache their latent and shared rotary key instead
+    (``model.attention_cache``: ``kv_latent`` and ``rope_keys``, one "head" each)."""
+    own = getattr(model, "attention_cache", None)
+    if own is not None:
+        return own
+    c = model.config
+    return (KEYS, (c.num_kv_heads, c.head_dim)), (VALUES, (c.num_kv_heads, c.head_dim))
+
+
+def as_cached(value: Array) -> Array:
+    """A cached site's value read over blocks in the cache's layout ``[blocks, batch, heads, seq, width]``
+    (``[blocks, batch, seq, width]`` values, a latent's, get a heads axis of 1)."""
+    return value if value.ndim == 5 else value[:, :, None]
+
+
 class Context(eqx.Module):
     """What a run's tokens continue from. Every field but ``positions`` is optional.
 
@@ -50,6 +68,10 @@ class Context(eqx.Module):
         values ``[attention blocks, batch, kv_heads, cached, head_dim]``, as
         read at ``layers.self_attn.attention_keys`` / ``attention_values`` on the
         run being continued, stacked over the blocks that have ``self_attn``.
+        On multi-head latent attention (DeepSeek) they hold what its blocks
+        cache instead (``cache_layout``): ``kv_latent`` ``[blocks, batch, 1,
+        cached, kv_lora_rank]`` and ``rope_keys`` ``[blocks, batch, 1, cached,
+        qk_rope_head_dim]``.
     states: each DeltaNet block's state before the row's first position
         ``[linear blocks, batch, heads, key_dim, value_dim]`` (float32; what
         ``layers.linear_attn.states`` holds at that position minus one).
@@ -83,7 +105,7 @@ class Context(eqx.Module):
     @staticmethod
     def sites_for(model) -> tuple[str, ...]:
         """The sites a run reads so that ``Context.continuing`` can build a context from its outputs."""
-        reads = (KEYS, VALUES) if model.layers_with("self_attn") else ()
+        reads = tuple(site for site, _ in cache_layout(model)) if model.layers_with("self_attn") else ()
         reads += (POSITIONS,) if POSITIONS in model.sites else ()
         return reads + ((STATES, MIXER_INPUTS) if model.layers_with("linear_attn") else ())
 
@@ -103,7 +125,7 @@ class Context(eqx.Module):
         positions = jnp.asarray(positions)
         keys = values = states = conv = None
         if model.layers_with("self_attn"):
-            keys, values = outputs[KEYS], outputs[VALUES]
+            keys, values = (as_cached(outputs[site]) for site, _ in cache_layout(model))
         linear = model.layers_with("linear_attn")
         if linear:
             start = positions[:, 0]
@@ -209,8 +231,8 @@ def check_context(model, context: Context, shape: tuple[int, int], attention_mas
     attention, linear = model.layers_with("self_attn"), model.layers_with("linear_attn")
     if context.keys is not None or context.values is not None:
         cached = np.shape(context.keys)[3] if np.ndim(context.keys) == 5 else "cached"
-        kv = (len(attention), batch, c.num_kv_heads, cached, c.head_dim)
-        expected.update(keys=kv, values=kv)
+        (_, (kh, kw)), (_, (vh, vw)) = cache_layout(model)
+        expected.update(keys=(len(attention), batch, kh, cached, kw), values=(len(attention), batch, vh, cached, vw))
     if context.states is not None or context.conv_inputs is not None:
         states = np.shape(context.states)
         width = np.shape(context.conv_inputs)[2] if np.ndim(context.conv_inputs) == 4 else "conv_width - 1"

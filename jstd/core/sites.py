@@ -93,16 +93,20 @@ BLOCK_SITES = [
     ("self_attn.attention_premix", ("batch", "seq", "heads", "head_dim"), "Every head's output side by side, as the output projection takes it (after the output gate, where the attention has one)."),
     ("self_attn.attention_output", RESIDUAL, "What the attention adds to the residual stream."),
     ("self_attn.attention_raw_output", RESIDUAL, "The attention's own output (the output projection's), before the post-norm and the residual multiplier that turn it into attention_output; the post-norm undoes a scaling here (up to its eps), so scale attention_output instead.", True, "hyperclovax"),
+    # multi-head latent attention (DeepSeek-V2 / V3: jstd.nn.latent_attention)
+    ("self_attn.q_latent", ("batch", "seq", "q_lora_rank"), "The queries' low-rank latent after its norm (q_a_layernorm's output: what q_b_proj reads); where the family has q_lora_rank.", True, "deepseek_v2"),
+    ("self_attn.kv_latent", ("batch", "seq", "kv_lora_rank"), "The keys' and values' shared latent after its norm (kv_a_layernorm's output: what kv_b_proj expands into each head's unrotated key part and its values); what a block caches, with rope_keys.", True, "deepseek_v2"),
+    ("self_attn.rope_keys", ("batch", "seq", "qk_rope_head_dim"), "The keys' rotary part after the rotary, one for all heads: attention_keys[..., qk_nope_head_dim:] on every head; cached with kv_latent.", True, "deepseek_v2"),
     # the MLP
     ("mlp.mlp_activation", ("batch", "seq", "mlp"), "The activation function's output."),
     ("mlp.mlp_neurons", ("batch", "seq", "mlp"), "What the down projection receives: act(gate)·up on a gated MLP, the activation itself otherwise."),
     ("mlp.mlp_output", RESIDUAL, "What the MLP adds to the residual stream."),
     # a mixture-of-experts MLP (jstd.nn.moe): the router, the chosen experts, their outputs, a shared expert
     ("mlp.router_logits", ("batch", "seq", "experts"), "The router's logits, one per expert (what the softmax and the top-k read; an edit re-routes: -inf at an expert removes it from the top-k)."),
-    ("mlp.router_weights", ("batch", "seq", "top_k"), "The weights of the chosen experts (after the family's renormalisation), in the router's top-k order; derived, read-only (edit router_logits to re-route, expert_outputs to change a contribution).", False),
+    ("mlp.router_weights", ("batch", "seq", "top_k"), "The weights of the chosen experts (after the family's renormalisation and scaling), in the router's top-k order (DeepSeek: ascending expert order); derived, read-only (edit router_logits to re-route, expert_outputs to change a contribution).", False),
     ("mlp.expert_indices", ("batch", "seq", "top_k"), "The chosen experts (integer ids), in the router's top-k order; derived, read-only.", False),
     ("mlp.expert_outputs", ("batch", "seq", "top_k", "hidden"), "Each chosen expert's output before its router weight, in expert_indices' order (zero one to ablate that expert's contribution; mlp_output = sum of router_weights times expert_outputs, plus shared_expert_output). Llama 4 weights the experts' inputs instead: each is the expert's output on its weighted input, and mlp_output their plain sum plus shared_expert_output."),
-    ("mlp.shared_expert_output", RESIDUAL, "The shared expert's output after its sigmoid gate (Qwen3.5-MoE, Qwen2-MoE; ungated on Llama 4), added to the routed experts' sum."),
+    ("mlp.shared_expert_output", RESIDUAL, "The shared expert's output after its sigmoid gate (Qwen3.5-MoE, Qwen2-MoE; ungated on Llama 4 and DeepSeek), added to the routed experts' sum."),
     ("mlp.mlp_raw_output", RESIDUAL, "The MLP's own output (the down projection's), before the post-norm and the residual multiplier that turn it into mlp_output; the post-norm undoes a scaling here (up to its eps), so scale mlp_output instead.", True, "hyperclovax"),
     # the gated DeltaNet mixer (linear attention)
     ("linear_attn.attention_queries", ("batch", "seq", "heads", "key_dim"), "The queries entering the delta rule (after the convolution and its activation, before the kernel's l2 norm)."),

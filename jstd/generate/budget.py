@@ -40,9 +40,13 @@ def preallocated_bytes(model, batch: int, prompt: int, new: int) -> int:
     leaves = [x for x in jax.tree.leaves(model.decoder) if hasattr(x, "dtype") and np.issubdtype(x.dtype, np.floating)]
     itemsize = np.dtype(leaves[0].dtype).itemsize if leaves else 4
     total = prompt + new
-    heads = c.num_kv_heads or c.num_heads or 0
-    width = (c.qk_head_dim or c.head_dim or 0) + (c.head_dim or 0)  # a key and a value
-    per_position = len(model.layers_with("self_attn")) * heads * width
+    layout = getattr(model, "attention_cache", None)
+    if layout is not None:  # multi-head latent attention: its latent and shared rotary key
+        width = sum(heads * dim for _, (heads, dim) in layout)
+    else:
+        heads = c.num_kv_heads or c.num_heads or 0
+        width = heads * ((c.qk_head_dim or c.head_dim or 0) + (c.head_dim or 0))  # a key and a value
+    per_position = len(model.layers_with("self_attn")) * width
     cache = per_position * batch * total * itemsize
     logits = 2 * new * batch * (c.vocab_size or 0) * max(itemsize, 4)
     return int(cache + logits + batch * total * 4)

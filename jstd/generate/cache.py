@@ -2,7 +2,8 @@
 each call (``edits_at``) and the model as the decoding loop steps it (``stepper``).
 
 The cache is preallocated once for the whole sequence (prompt + new): softmax
-blocks' keys and values ``[blocks, batch, kv_heads, prompt + new, head_dim]``,
+blocks' keys and values ``[blocks, batch, kv_heads, prompt + new, head_dim]`` (multi-head latent attention's
+latent and shared rotary key instead: ``core.context.cache_layout``),
 written at each step's position; DeltaNet blocks' recurrent state and their
 convolution's last inputs, replaced each step. Every step has the same cost
 whatever its position: entries at or after the step's position are masked.
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Int
 
-from jstd.core.context import KEYS, MIXER_INPUTS, VALUES, POSITIONS, Context
+from jstd.core.context import MIXER_INPUTS, POSITIONS, Context, as_cached, cache_layout
 from jstd.core.edits import site_axes
 from jstd.core.inputs import Inputs
 from jstd.nn.model import Model
@@ -67,7 +68,7 @@ def edits_at(edits: tuple, start, length: int, prefill: bool) -> tuple:
 
 
 def _cache_reads(model) -> tuple[str, ...]:
-    reads = (KEYS, VALUES) if model.layers_with("self_attn") else ()
+    reads = tuple(site for site, _ in cache_layout(model)) if model.layers_with("self_attn") else ()
     reads += (STATE_OUTPUT, MIXER_INPUTS) if model.layers_with("linear_attn") else ()
     return reads + ((POSITIONS,) if POSITIONS in model.sites else ())
 
@@ -87,7 +88,7 @@ def prefill(model: Model, inputs: Inputs, edits: tuple, new: int,
     keys = values = states = conv = None
     if model.layers_with("self_attn"):
         grow = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, new), (0, 0)))
-        keys, values = grow(out[KEYS]), grow(out[VALUES])
+        keys, values = (grow(as_cached(out[site])) for site, _ in cache_layout(model))
     if model.layers_with("linear_attn"):
         states = out[STATE_OUTPUT].astype(jnp.float32)
         width = model.conv_width - 1
@@ -108,8 +109,9 @@ def decode(model: Model, cache: Cache, token: Int[Array, "batch"], at: Int[Array
     step = forward(decoder, Inputs(token[:, None], None), edits_at(edits, at, 1, False), cache.context(at), all_reads)
     keys, values, states, conv = cache.keys, cache.values, cache.states, cache.conv
     if keys is not None:
-        keys = jax.lax.dynamic_update_slice_in_dim(keys, step[KEYS].astype(keys.dtype), at, axis=3)
-        values = jax.lax.dynamic_update_slice_in_dim(values, step[VALUES].astype(values.dtype), at, axis=3)
+        (k_site, _), (v_site, _) = cache_layout(model)
+        keys = jax.lax.dynamic_update_slice_in_dim(keys, as_cached(step[k_site]).astype(keys.dtype), at, axis=3)
+        values = jax.lax.dynamic_update_slice_in_dim(values, as_cached(step[v_site]).astype(values.dtype), at, axis=3)
     if states is not None:
         states = step[STATE_OUTPUT].astype(jnp.float32)
         conv = jnp.concatenate([conv[:, :, 1:], step[MIXER_INPUTS][_linear_rows(model)].astype(conv.dtype)], axis=2)

@@ -26,7 +26,7 @@ import numpy as np
 
 from jstd.core.checks import host_value, trusted
 from jstd.core.jit import device_array
-from jstd.core.context import Context
+from jstd.core.context import Context, as_cached
 from jstd.interventions.chunking import fit
 from jstd.core.edits import Set, site_axes
 from jstd.interventions.metrics import PositionMetric
@@ -119,7 +119,7 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     entry_p = np.where(entry_p < 0, entry_p + seq, entry_p)
     rows = pack(entry_p, entry_h, seq, pair=not model.layers_with("linear_attn"))
     n_rows, length = rows.positions.shape
-    keys = length + (corrupt_out[Context.sites_for(model)[0]].shape[3] if model.layers_with("self_attn") else 0)
+    keys = length + (as_cached(corrupt_out[Context.sites_for(model)[0]]).shape[3] if model.layers_with("self_attn") else 0)
     place = (lambda a, size: device_array(a)) if spread is None else spread.place
     chunk_rows = lambda rows, start, size: Rows(*(place(a[start:start + size], size) for a in rows))
     lower = lambda size: resumed_chunk.lower(model, corrupt, attention_mask, corrupt_out, clean_values, metric, chunk_rows(rows, 0, size),

@@ -8,7 +8,8 @@
 gpt-oss differs in both: its router takes the top-k of the logits and the softmax of those alone (``route(...,
 top_k_first=True)``: the same weights as softmax, top-k, renormalise, in another order of roundings), and its
 experts add biases and apply a clamped SwiGLU (``clamped``: ``(clamp(up) + 1) · g · sigmoid(alpha · g)``, ``g`` the
-gate clamped from above).
+gate clamped from above). DeepSeek's routers (``group_limited``) score by softmax (V2) or sigmoid (V3, with a
+bias that moves the choice only), limit the choice to the best groups of experts and scale the weights.
 
 The expert product never forms every expert for every token: the ``tokens · top_k`` chosen pairs are sorted by
 expert and multiplied tile by tile, each tile through its one expert (``grouped``), so memory is
@@ -57,6 +58,40 @@ def top_k_sigmoid(logits: Float[Array, "... experts"], k: int) -> tuple[Float[Ar
     normalised)."""
     values, indices = top_k(logits, k)
     return jax.nn.sigmoid(values.astype(jnp.float32)).astype(logits.dtype), indices
+
+
+def group_limited(logits: Float[Array, "... experts"], k: int, scoring: str, groups: tuple[int, int] | None,
+                  normalize: bool, scale: float, bias: Float[Array, "experts"] | None = None
+                  ) -> tuple[Float[Array, "... top_k"], Int[Array, "... top_k"]]:
+    """DeepSeek's routing (transformers' ``DeepseekV2TopkRouter`` / ``DeepseekV3TopkRouter``), in float32:
+
+        scores  = softmax(logits)  (``scoring="softmax"``: V2)  |  sigmoid(logits)  (``"sigmoid"``: V3)
+        choice  = scores + bias                                   # V3's e_score_correction_bias: the choice only
+        groups  = the experts cut into ``n_group`` equal groups; each scored by its largest choice (softmax) or
+                  the sum of its two largest (sigmoid); all but the ``topk_group`` best masked (0 / -inf)
+        indices = top_k(choice, k);  weights = scores[indices]    (the scores, not the biased choice)
+        weights = weights / (sum(weights) + 1e-20)  where ``normalize`` (V3's norm_topk_prob; V2 never)
+        weights = weights · scale                                 # routed_scaling_factor
+
+    ``groups`` None (V2's ``greedy``): no group limit. The chosen experts come in ascending expert order (torch's
+    ``topk(sorted=False)`` leaves the order unspecified; the weighted sum does not depend on it), the weights in
+    float32. Ties break as torch's CPU ``topk`` (``top_k``)."""
+    logits = logits.astype(jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if groups is not None:
+        n_group, topk_group = groups
+        per = choice.reshape(*choice.shape[:-1], n_group, -1)
+        group_scores = per.max(-1) if scoring == "softmax" else jnp.sum(jax.lax.top_k(per, 2)[0], axis=-1)
+        chosen = top_k(group_scores, topk_group)[1]
+        keep = jnp.any(jnp.arange(n_group)[:, None] == chosen[..., None, :], axis=-1)  # [..., n_group]
+        keep = jnp.repeat(keep, per.shape[-1], axis=-1)
+        choice = jnp.where(keep, choice, 0.0 if scoring == "softmax" else -jnp.inf)
+    indices = jnp.sort(top_k(choice, k)[1], axis=-1)
+    weights = jnp.take_along_axis(scores, indices, axis=-1)
+    if normalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * jnp.float32(scale), indices.astype(jnp.int32)
 
 
 def sparsemixer(logits: Float[Array, "... experts"], jitter_eps: float

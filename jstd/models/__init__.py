@@ -34,6 +34,7 @@ from jstd.models.phimoe import Phimoe
 from jstd.models.phi3 import Phi3
 from jstd.models.qwen2 import Qwen2VLText
 from jstd.models.qwen2_moe import Qwen2Moe
+from jstd.models.deepseek_v2 import DeepseekV2, DeepseekV3
 from jstd.models.qwen3 import Qwen3
 from jstd.models.qwen3_vl import Qwen3VLText
 from jstd.models.qwen3_5 import Qwen3_5Text
@@ -45,7 +46,7 @@ TEXT_FAMILIES = {t: f for f in (Llama, HyperCLOVAX, OlmoHybrid, Qwen2VLText, Qwe
                                      Gemma, Olmo2, Qwen3, Phi3, SmolLM3, GPT2, GPTNeoX, GPTNeo, GPTJ, Phi, OPT, Bloom,
                                      Mistral, Qwen2, Gemma2, Gemma3Text, Olmo3,
                                      Qwen3Moe, Qwen3VLMoeText, Olmoe, Mixtral, Qwen3_5MoeText, GptOss, Qwen2Moe,
-                                     Phimoe, Llama4Text)
+                                     Phimoe, Llama4Text, DeepseekV2, DeepseekV3)
                  for t in f.model_types}
 
 # module -> the module(s) its names moved to; a module split in several is served as one module holding their names

@@ -191,6 +191,17 @@ class HybridTextFamily(TextFamily):
         return kinds
 
 
+def refuse_quantized(hf, family: str, stored: str, fix: str) -> None:
+    """ValueError naming a quantised checkpoint (``quantization_config``; ``stored``: how its weights are stored)
+    and the ``fix``; nothing for a floating-point one."""
+    quantization = getattr(hf, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
+            quantization, "quant_method", quantization)
+        raise ValueError(f"{family}: the checkpoint is quantised (quantization_config quant_method={method!r}: "
+                         f"{stored}); jstd loads floating-point weights: {fix}")
+
+
 def tied(hf) -> bool:
     return bool(getattr(hf, "tie_word_embeddings", False))
 

@@ -25,6 +25,7 @@ with the fix (a dequantised bfloat16 copy).
 from __future__ import annotations
 
 from jstd.core.config import ModelConfig
+from jstd.models.family import refuse_quantized as family_refuse_quantized
 from jstd.models.llama import Llama
 from jstd.models.qwen3 import layer_kinds
 from jstd.nn.attention import Attention
@@ -36,15 +37,10 @@ NAMES = {**LLAMA_NAMES, "experts": "interleaved"}
 
 
 def refuse_quantized(hf, family: str) -> None:
-    """ValueError naming a quantised checkpoint (``quantization_config``) and the fix."""
-    quantization = getattr(hf, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
-            quantization, "quant_method", quantization)
-        raise ValueError(f"{family}: the checkpoint is quantised (quantization_config quant_method={method!r}: "
-                         "its experts are stored as MXFP4 blocks and scales); jstd loads floating-point weights: "
-                         "use a dequantised copy (load it in transformers with Mxfp4Config(dequantize=True) and "
-                         "save_pretrained it, or a published bfloat16 copy such as unsloth/gpt-oss-20b-BF16)")
+    """ValueError naming an MXFP4-quantised checkpoint (``quantization_config``) and the fix."""
+    family_refuse_quantized(hf, family, "its experts are stored as MXFP4 blocks and scales",
+                            "use a dequantised copy (load it in transformers with Mxfp4Config(dequantize=True) and "
+                            "save_pretrained it, or a published bfloat16 copy such as unsloth/gpt-oss-20b-BF16)")
 
 
 class GptOss(Llama):

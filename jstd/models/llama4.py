@@ -110,7 +110,7 @@ class Llama4Text(Llama):
         else:
             mlp = MoEMLP.skeleton(c.hidden_size, hf.intermediate_size, hf.num_local_experts, hf.num_experts_per_tok,
                                   hf.hidden_act, False, dtype, shared_mlp=hf.intermediate_size,
-                                  routing="top_k_sigmoid", weights_on_input=True, shared_gated=False)
+                                  routing="top_k_sigmoid", weights_on_input=True, shared_gate=False)
         return dataclasses.replace(block, attn=attn, mlp=mlp)
 
     @classmethod

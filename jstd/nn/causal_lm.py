@@ -90,6 +90,14 @@ class CausalLM(Model):
         slot = self.layers.slot_with("linear_attn")
         return None if slot is None else slot.attn.conv_width
 
+    @property
+    def attention_cache(self):
+        """What a softmax-attention block caches per position where its attention says so itself (multi-head latent
+        attention: ``LatentAttention.cache_layout``); None: its keys and values (``core.context.cache_layout``)."""
+        slot = self.layers.slot_with("self_attn")
+        layout = getattr(getattr(slot, "attn", None), "cache_layout", None)
+        return None if layout is None else layout()
+
     def check_inputs(self, inputs) -> None:
         if inputs.tokens is None:
             raise ValueError(f"this {self.family} model is a text model: it runs on token ids (Inputs.tokens)")

@@ -1,14 +1,15 @@
 """The model with parts of its computation held at their values for gradients: ``frozen``.
 
 Freezing changes no forward value. It changes derivatives: a frozen norm is a fixed diagonal (its ``1 / rms``, a
-LayerNorm's ``1 / std``, held), a frozen mixer a fixed linear map of its values (softmax attention: its
-probabilities held, after any edit, and a gated attention's output gate; a gated DeltaNet: its queries, keys,
-decays, betas, output gate and the value activation's gain held — ``GatedDeltaNet``), a frozen mixture of experts a
-fixed weighted sum of the prompt's experts (its routing weights and shared-expert gate held). With these, every path
-through a model whose MLPs are held too (an edit at their outputs; what ``jstd.circuits`` does) is linear in the
-residual stream: the *local replacement model* of attribution graphs (``docs/circuits.md``). Works on every family
-built from ``jstd.nn``'s layers (every ``RMSNorm`` / ``LayerNorm`` / ``L2Norm``, q/k norms, post-norms and DeltaNet's output
-norm included, every softmax ``Attention``, ``GatedDeltaNet`` and ``MoEMLP``), in any stack.
+LayerNorm's ``1 / std``, held), a frozen mixer a fixed linear map of its values (softmax attention, multi-head
+latent attention included: its probabilities held, after any edit, and a gated attention's output gate; a gated
+DeltaNet: its queries, keys, decays, betas, output gate and the value activation's gain held — ``GatedDeltaNet``), a
+frozen mixture of experts a fixed weighted sum of the prompt's experts (its routing weights and shared-expert gate
+held). With these, every path through a model whose MLPs are held too (an edit at their outputs; what
+``jstd.circuits`` does) is linear in the residual stream: the *local replacement model* of attribution graphs
+(``docs/circuits.md``). Works on every family built from ``jstd.nn``'s layers (every ``RMSNorm`` / ``LayerNorm`` /
+``L2Norm``, q/k norms, post-norms and DeltaNet's output norm included, every softmax ``Attention`` /
+``LatentAttention``, ``GatedDeltaNet`` and ``MoEMLP``), in any stack.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import jax
 
 from jstd.nn.attention import Attention
 from jstd.nn.deltanet import GatedDeltaNet
+from jstd.nn.latent_attention import LatentAttention
 from jstd.nn.moe import MoEMLP
 from jstd.nn.norms import L2Norm, LayerNorm, RMSNorm
 
 NORMS = (RMSNorm, LayerNorm, L2Norm)
-MIXERS = (Attention, GatedDeltaNet)
+MIXERS = (Attention, LatentAttention, GatedDeltaNet)
 HELD = NORMS + MIXERS + (MoEMLP,)
 
 

@@ -14,10 +14,16 @@ products, routes ``top_k_softmax`` (the softmax of the top-k logits alone) and g
 SwiGLU (``swiglu``: ``(limit, alpha)``, ``kernels.moe.clamped``); its checkpoints interleave each expert's gate and
 up columns (``names["experts"] = "interleaved"``), split into gate then up at load. Phi-3.5-MoE routes by
 ``sparsemixer`` (``kernels.moe.sparsemixer``: transformers' inference path, two experts a token) and names its
-router ``router`` (``names["router"]``). Llama 4 routes ``top_k_sigmoid`` (``kernels.moe.top_k_sigmoid``: the top-k
+router ``router`` (``names["router"]``). DeepSeek routes ``group_limited_softmax`` (V2) or ``group_limited_sigmoid``
+(V3, with ``score_correction_bias``: the checkpoint's ``e_score_correction_bias``, which moves the choice and not
+the weights) over ``groups`` (``(n_group, topk_group)``: only the best groups' experts may be chosen), scales the
+weights by ``routed_scaling_factor`` and keeps its router in float32 (``router_logits`` are float32 in a bfloat16
+model, as transformers keeps ``gate.weight``); its chosen experts come in ascending expert order
+(``kernels.moe.group_limited``), and its shared experts have no gate (``shared_gate`` None;
+``names["shared"] = "shared_experts"``). Llama 4 routes ``top_k_sigmoid`` (``kernels.moe.top_k_sigmoid``: the top-k
 logits' sigmoids) and weights its experts' *inputs* (``weights_on_input``): ``expert_outputs`` are then
 ``expert_e(router_weights[k] · x)`` and ``mlp_output`` their plain sum plus an ungated shared expert
-(``shared_gated`` False); its checkpoints store the experts fused and input-major (``names["experts"] =
+(``shared_gate`` False); its checkpoints store the experts fused and input-major (``names["experts"] =
 "input_major"``, taken as stored whatever the shapes). The grouped product is ``kernels.moe.expert_outputs``: O(tokens · top_k) memory.
 
 ``frozen_routing`` (static; ``jstd.nn.frozen``): the routing is held for gradients — the chosen experts (discrete
@@ -44,14 +50,14 @@ from jaxtyping import Array, Float
 
 from jstd.core.config import ModelConfig
 from jstd.core.tap import Taps
-from jstd.kernels.moe import clamped, combine, expert_outputs, route, sparsemixer, top_k_sigmoid
+from jstd.kernels.moe import clamped, combine, expert_outputs, group_limited, route, sparsemixer, top_k_sigmoid
 from jstd.nn.params import param, shape
 from jstd.nn.mlp import GatedMLP
 from jstd.nn.namemap import Entry, linear, present
 
 # how a router turns its logits into weights and experts: softmax, top-k, renormalised by ``normalize`` (most);
 # the top-k logits' softmax (gpt-oss); Phi-3.5-MoE's sparsemixer
-ROUTINGS = ("softmax", "top_k_softmax", "sparsemixer", "top_k_sigmoid")
+ROUTINGS = ("softmax", "top_k_softmax", "sparsemixer", "top_k_sigmoid", "group_limited_softmax", "group_limited_sigmoid")
 # the per-expert spellings of (gate, up, down): transformers' module names, and Mixtral's hub files'
 PER_EXPERT = {"proj": ("gate_proj", "up_proj", "down_proj"), "w": ("w1", "w3", "w2")}
 
@@ -76,6 +82,9 @@ class MoEMLP(eqx.Module):
     jitter_eps: float = eqx.field(static=True, default=0.0)
     swiglu: tuple[float, float] | None = eqx.field(static=True, default=None)
     weights_on_input: bool = eqx.field(static=True, default=False)
+    groups: tuple[int, int] | None = eqx.field(static=True, default=None)
+    routed_scaling_factor: float = eqx.field(static=True, default=1.0)
+    score_correction_bias: Float[Array, "experts"] | None = param("experts", default=None)
     frozen_routing: bool = eqx.field(static=True, default=False)
 
     @property
@@ -95,6 +104,10 @@ class MoEMLP(eqx.Module):
             weights, indices = sparsemixer(logits, self.jitter_eps)
         elif self.routing == "top_k_sigmoid":
             weights, indices = top_k_sigmoid(logits, self.top_k)
+        elif self.routing.startswith("group_limited_"):
+            weights, indices = group_limited(logits, self.top_k, self.routing.removeprefix("group_limited_"),
+                                             self.groups, self.normalize, self.routed_scaling_factor,
+                                             self.score_correction_bias)
         else:
             weights, indices = route(logits, self.top_k, self.normalize,
                                      np.float32 if self.weights_in_float32 else logits.dtype,
@@ -147,9 +160,14 @@ class MoEMLP(eqx.Module):
             Entry("experts.down_proj", "down", fused_down, alternatives=(
                 Entry(per(down), "down", lambda w: w.reshape(experts, embed, two_mlp // 2).transpose(0, 2, 1)),)),
         ]
+        if self.score_correction_bias is not None:
+            entries.append(Entry(f"{(names or {}).get('router', 'gate')}.e_score_correction_bias",
+                                 "score_correction_bias"))
         if self.shared is not None:
-            entries += [e.under("shared_expert.", "shared.") for e in self.shared.entries()]
-            entries.append(Entry("shared_expert_gate.weight", "shared_gate", linear))
+            shared = (names or {}).get("shared", "shared_expert")
+            entries += [e.under(f"{shared}.", "shared.") for e in self.shared.entries()]
+            if self.shared_gate is not None:
+                entries.append(Entry("shared_expert_gate.weight", "shared_gate", linear))
         return entries
 
     def interleaved_entries(self) -> list[Entry]:
@@ -167,11 +185,18 @@ class MoEMLP(eqx.Module):
     def skeleton(cls, embed: int, mlp: int, experts: int, top_k: int, act: str, normalize: bool, dtype,
                  weights_in_float32: bool = False, shared_mlp: int | None = None, biases: bool = False,
                  routing: str = "softmax", jitter_eps: float = 0.0, swiglu: tuple[float, float] | None = None,
-                 weights_on_input: bool = False, shared_gated: bool = True) -> "MoEMLP":
+                 weights_on_input: bool = False, groups: tuple[int, int] | None = None,
+                 routed_scaling_factor: float = 1.0, score_correction_bias: bool = False, shared_gate: bool = True,
+                 shared_bias: bool = False, router_dtype=None) -> "MoEMLP":
         """``experts`` SwiGLU experts ``embed`` -> ``mlp`` -> ``embed`` of which each token takes ``top_k``; a
-        shared expert ``mlp`` = ``shared_mlp`` wide behind a sigmoid gate where ``shared_mlp`` is given.
+        shared expert ``mlp`` = ``shared_mlp`` wide behind a sigmoid gate where ``shared_mlp`` is given
+        (``shared_gate`` False: without a gate, Llama 4's and DeepSeek's; ``shared_bias``: its biases, ``mlp_bias``).
         ``biases``: a router bias and each expert's biases; ``routing`` (``ROUTINGS``), ``jitter_eps``, ``swiglu``,
-        ``weights_on_input``: the fields; ``shared_gated`` False: the shared expert has no gate (Llama 4). ValueError for an unknown routing, a top-k out of range or sparsemixer's top-k other than 2."""
+        ``weights_on_input`` (Llama 4): the fields; DeepSeek's: ``groups`` (``(n_group, topk_group)``),
+        ``routed_scaling_factor``, ``score_correction_bias`` (a float32 bias per expert), ``router_dtype`` (the
+        router's dtype: float32 where transformers keeps it so). ValueError for an unknown routing, a top-k out of
+        range, sparsemixer's top-k other than 2, or groups that do not cut the experts evenly or leave fewer than
+        top-k to choose from."""
         if routing not in ROUTINGS:
             raise ValueError(f"unknown MoE routing {routing!r}; jstd has {', '.join(ROUTINGS)}")
         if routing == "sparsemixer" and top_k != 2:
@@ -179,14 +204,25 @@ class MoEMLP(eqx.Module):
                              "experts a token (transformers' sparsemixer ignores any other top-k); use 2")
         if not 0 < top_k <= experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts ({experts})")
-        shared = None if shared_mlp is None else GatedMLP.skeleton(embed, shared_mlp, act, False, dtype)
-        return cls(shape(embed, experts, dtype=dtype), shape(experts, embed, 2 * mlp, dtype=dtype),
+        if groups is not None:
+            n_group, topk_group = groups
+            if not (0 < n_group <= experts and experts % n_group == 0 and 0 < topk_group <= n_group
+                    and top_k <= topk_group * (experts // n_group)):
+                raise ValueError(f"n_group={n_group}, topk_group={topk_group}: the {experts} experts must split into "
+                                 f"n_group equal groups of which topk_group (at most n_group) hold at least "
+                                 f"num_experts_per_tok={top_k} experts")
+            if routing == "group_limited_sigmoid" and experts // n_group < 2:
+                raise ValueError(f"n_group={n_group}: sigmoid routing scores a group by its two best experts, so "
+                                 f"each group needs 2 or more of the {experts} experts")
+        shared = None if shared_mlp is None else GatedMLP.skeleton(embed, shared_mlp, act, shared_bias, dtype)
+        return cls(shape(embed, experts, dtype=router_dtype or dtype), shape(experts, embed, 2 * mlp, dtype=dtype),
                    shape(experts, mlp, embed, dtype=dtype), shared,
-                   None if shared_mlp is None or not shared_gated else shape(embed, 1, dtype=dtype), top_k, normalize,
+                   None if shared_mlp is None or not shared_gate else shape(embed, 1, dtype=dtype), top_k, normalize,
                    weights_in_float32, act, *((shape(experts, dtype=dtype), shape(experts, 2 * mlp, dtype=dtype),
                                                shape(experts, embed, dtype=dtype)) if biases else (None,) * 3),
-                   routing, float(jitter_eps), None if swiglu is None else tuple(map(float, swiglu)),
-                   bool(weights_on_input))
+                   routing, float(jitter_eps), None if swiglu is None else tuple(map(float, swiglu)), bool(weights_on_input),
+                   None if groups is None else tuple(map(int, groups)), float(routed_scaling_factor),
+                   shape(experts, dtype=np.float32) if score_correction_bias else None)
 
 
 def with_experts(config: ModelConfig, experts: int, top_k: int) -> ModelConfig:

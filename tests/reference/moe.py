@@ -12,7 +12,8 @@ sparse-MoE blocks (Qwen3-MoE, OLMoE, Mixtral, Qwen3-VL-MoE, Qwen3.5-MoE).
   passes the tap as ``[batch, seq, top_k, hidden]``, and is then weighted and summed as that loop does
   (``index_add_`` in ascending expert order). Unedited, the result is asserted bit-equal to the experts module's
   own output, so the copy is the reference's code path;
-- Qwen3.5-MoE's shared expert output after its sigmoid gate passes the tap before it is added.
+- Qwen3.5-MoE's shared expert output after its sigmoid gate passes the tap before it is added (DeepSeek's
+  ``shared_experts``, without a gate, too).
 
 ``MoEReference`` is ``TorchReference`` with these values and ``PLAN`` (Llama's, the dense MLP's interior only on
 the blocks without experts); ``MoEQwenVLReference`` the same for the wrappers.
@@ -102,6 +103,9 @@ def _forward(block, i: int, tap, hidden_states: torch.Tensor) -> torch.Tensor:
     if hasattr(block, "shared_expert"):
         shared = F.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
         routed = routed + tap(SHARED, i, shared.reshape(b, s, h)).reshape(-1, h)
+    if hasattr(block, "shared_experts"):  # DeepSeek's: no gate, added after the routed sum
+        shared = block.shared_experts(hidden_states)
+        routed = routed + tap(SHARED, i, shared).reshape(-1, h)
     if hasattr(block.experts, "gate_up_proj_bias"):  # gpt-oss' MLP returns its router scores too
         return routed.reshape(b, s, h), weights
     return routed.reshape(b, s, h)
@@ -132,7 +136,8 @@ class _MoECapture:
         self.model.set_experts_implementation("eager")
 
     def sites(self):
-        shared = any(hasattr(layer.mlp, "shared_expert") for layer in self._module(self.text_path).layers)
+        shared = any(hasattr(layer.mlp, "shared_expert") or hasattr(layer.mlp, "shared_experts")
+                     for layer in self._module(self.text_path).layers)
         return super().sites() + MOE_SITES + ((SHARED,) if shared else ())
 
     def _blocks(self, entry):
