@@ -321,6 +321,7 @@ PLACEMENT = {
     "expert_gate":     (None, None, None, None, None),
     "q_lora":          (None, None, None, None, None),  # a latent's rank: every head reads the whole latent
     "kv_lora":         (None, None, None, None, None),
+    "embed_out":       (None, None, None, None, None),  # a transcoder skip's output width (an axis once per array)
 }
 SETS = ("DP", "FSDP", "TP", "FSDP_TP", "EP")
 

@@ -272,16 +272,17 @@ def expert_outputs(x: Float[Array, "tokens hidden"], indices: Int[Array, "tokens
         y = values(x.reshape(-1, x.shape[-1]), indices.reshape(-1, indices.shape[-1]), w)
         return y.reshape(indices.shape + y.shape[2:]), True
 
-    @jax.custom_jvp
-    def run(x, w):
+    @jax.custom_jvp  # the indices an argument, not a closure: a closed-over tracer breaks jax.vjp's transposition
+    def run(x, indices, w):
         return values(x, indices, w)
 
     @run.defjvp
     def _(primals, tangents):
+        x, indices, w = primals
         tiles = lambda x, w: grouped(x, indices, lambda xs, e: one(w, e)(xs), experts)
-        return run(*primals), jax.jvp(tiles, primals, tangents)[1]
+        return run(*primals), jax.jvp(tiles, (x, w), (tangents[0], tangents[2]))[1]
 
-    return run(x, (gate_up, down, gate_up_bias, down_bias))
+    return run(x, indices, (gate_up, down, gate_up_bias, down_bias))
 
 
 def _expert(xs, gate_up, down, product, gate_up_bias=None, down_bias=None):
