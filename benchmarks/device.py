@@ -24,15 +24,16 @@ for checking the script on a CPU before a device run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
-import jstd  # noqa: F401  (first: quiets the accelerator plugins' start-up noise)
+from common import time_interleaved  # first: jstd quiets the accelerator plugins' start-up noise; the guard
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import jstd
 
 SMOKE = False
 
@@ -45,17 +46,9 @@ def table(heading: str, rows) -> None:
 
 
 def interleaved(runs: dict, reps: int) -> dict:
-    """Median seconds of each blocking callable, after two warm-up calls each, runs interleaved."""
-    for f in runs.values():
-        f()
-        f()
-    times = {k: [] for k in runs}
-    for _ in range(reps):
-        for k, f in runs.items():
-            t = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median seconds of each blocking callable (``common.time_interleaved``: two warm-up calls each, runs
+    interleaved)."""
+    return {k: median for k, (median, _) in time_interleaved(runs, reps).items()}
 
 
 def torch_sync(fn):
