@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstd.circuits.graph import Graph, SparseAdjacency
+from jstd.circuits.inputs import ImagePrompt, has_images, image_prompt, with_features
 from jstd.circuits.replacement import prompt_values, source_columns, target_gradients
 from jstd.circuits.sharding import batch_for, place, place_sources, place_targets
 from jstd.circuits.transcoders import Transcoders
@@ -243,8 +244,12 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
               layout=None) -> Graph | list[Graph]:
     """The attribution graph (``jstd.circuits.Graph``) of ``inputs`` through ``transcoders`` (module docstring).
 
-    inputs: a prompt (a string with ``tokenizer=``, or token ids ``[n]``) or a list of prompts (a list of graphs
-        back, in order). The prompts of one call are padded on the right to the longest (with id 0; the model is
+    inputs: a prompt (a string with ``tokenizer=``, or token ids ``[n]``; for an image-text wrapper, also what
+        ``jstd.run`` takes with images: a ``jstd.Inputs`` or the processor's output for one text and its images)
+        or a list of prompts (a list of graphs back, in order). A prompt with images has one input node per image
+        token, its merged embedding (the projector's feature row), in its position's token slot, labelled by
+        image and patch (``Graph.image_patches``; ``jstd.circuits.inputs``: the tower is frozen, out of the
+        graph); prompts with images are attributed one at a time. The prompts of one call are padded on the right to the longest (with id 0; the model is
         causal, so nothing at a real position sees the padding) and run their forwards as one batch; every
         compiled program is shared, so a call compiles once whatever its prompts' lengths. Each prompt's graph is
         its own (its ``n`` positions, no padding node) and equals the graph of the prompt alone within float32
@@ -283,12 +288,26 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
     several = isinstance(inputs, (list, tuple)) and inputs and not isinstance(inputs[0], (int, np.integer))
     several = several or (isinstance(inputs, np.ndarray) and inputs.ndim == 2)
     prompts = list(inputs) if several else [inputs]
-    ids = [prompt_tokens(p, tokenizer, model.config.vocab_size) for p in prompts]
+    image = patches = None
+    if several and any(map(has_images, prompts)):  # prompts with images: one at a time (jstd.circuits.inputs)
+        return [attribute(model, p, tc, targets=targets, max_n_logits=max_n_logits,
+                          desired_logit_prob=desired_logit_prob, max_feature_nodes=max_feature_nodes,
+                          batch_size=batch_size, update_interval=update_interval, tokenizer=tokenizer,
+                          edges_per_row=edges_per_row, mesh=mesh) for p in prompts]
+    if has_images(inputs):
+        ids, image, patches = image_prompt(model, inputs, lambda i: prompt_tokens(i, tokenizer,
+                                                                                 model.config.vocab_size))
+        ids = [ids]
+    else:
+        ids = [prompt_tokens(p, tokenizer, model.config.vocab_size) for p in prompts]
     N = max(len(i) for i in ids)
     tokens = np.zeros((len(ids), N), np.int32)  # right padding: id 0 after each prompt's end
     for g, i in enumerate(ids):
         tokens[g, :len(i)] = i
-    v = prompt_values(model, jnp.asarray(tokens), tc.input_site, tc.output_site)
+    v = prompt_values(model, jnp.asarray(tokens) if image is None else image, tc.input_site, tc.output_site)
+    embeddings = v["embeddings"].astype(jnp.float32)
+    if image is not None:  # the image features held, and at the image tokens the input vectors
+        image, embeddings = with_features(model, image, embeddings)
     x = v["x"].astype(jnp.float32)
     acts = tc.encode(x).at[:, :, :ZERO_POSITIONS].set(0)
     errors = (v["y"].astype(jnp.float32) - (tc.decode(acts) + tc.skip(x))).at[:, :, :ZERO_POSITIONS].set(0)
@@ -305,16 +324,19 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
                     max_feature_nodes=max_feature_nodes, batch_size=batch_size, update_interval=update_interval,
                     tokenizer=tokenizer, edges_per_row=edges_per_row, mesh=mesh)
     logits = np.asarray(v["logits"][np.arange(len(ids)), [len(i) - 1 for i in ids]])
-    graphs = [_attribute(model, tc, ids[g], jnp.asarray(tokens[g:g + 1]), sources[g], errors[:, g],
-                         v["embeddings"][g].astype(jnp.float32), logits[g], **settings) for g in range(len(ids))]
+    graphs = [_attribute(model, tc, ids[g], jnp.asarray(tokens[g:g + 1]) if image is None else image, sources[g],
+                         errors[:, g], embeddings[g], logits[g], **settings) for g in range(len(ids))]
+    if image is not None:
+        graphs[0].image_patches = patches
     return graphs if several else graphs[0]
 
 
 def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, errors, token_vectors, logits_last, *,
                targets, max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval,
                tokenizer, edges_per_row, mesh) -> Graph:
-    """One prompt's graph: ``ids [n]``, ``tokens [1, N]`` (padded on the right to ``N >= n``), its sources and
-    ``errors [L, N, d]``, ``token_vectors [N, d]`` (zeros and ignored past ``n``)."""
+    """One prompt's graph: ``ids [n]``, ``tokens [1, N]`` (padded on the right to ``N >= n``; or an
+    ``ImagePrompt``), its sources and ``errors [L, N, d]``, ``token_vectors [N, d]`` (zeros and ignored past
+    ``n``)."""
     vocab = tokenizer.vocab_size if tokenizer is not None else model.config.vocab_size
     L, n, N = tc.num_layers, len(ids), tokens.shape[1]
     n_active = len(src.values)
@@ -334,7 +356,9 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
     # from the deepest layer in a batch), and one whose targets lie at positions < P only the first P positions
     # (a causal model: nothing later reaches them; P rounded up to a quarter of the prompt, so at most 4 lengths).
     by_depth = n_active > 4 * batch_size
-    lengths = sorted({-(-N * i // 4) for i in range(1, 5)}) if by_depth and N >= 16 else [N]
+    # (not with images: cutting the prompt would cut image tokens from their images, and Gemma 3's blocks)
+    cut = by_depth and N >= 16 and not isinstance(tokens, ImagePrompt)
+    lengths = sorted({-(-N * i // 4) for i in range(1, 5)}) if cut else [N]
 
     def rows(layers, positions, vectors):
         """The rows ``[m, n_active + L·n + n]`` of targets against the prompt's sources, ``batch_size`` at a time:
@@ -351,7 +375,7 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
             depth = min(int(layers[s:s + m].max()) + 1, L) if by_depth else L
             P = next(P for P in lengths if P > int(positions[s:s + m].max()))
             pad = lambda a: np.concatenate([a[s:s + m], np.zeros((batch_size - m,) + a.shape[1:], a.dtype)])
-            g_y, g_e = target_gradients(model, tokens[:, :P], tc, *place_targets(
+            g_y, g_e = target_gradients(model, tokens if P == N else tokens[:, :P], tc, *place_targets(
                 mesh, pad(layers).astype(np.int32), pad(positions).astype(np.int32), pad(vectors)), depth=depth)
             # a feature target of block l reads nothing from block l's MLP output or later ones
             reach = int(layers[s:s + m].max())

@@ -1,7 +1,9 @@
 """The JSON that circuit-tracer's local graph server and Neuronpedia read (circuit-tracer 0.5.0's
 ``create_graph_files``): ``{metadata, qParams, nodes, links}`` of the pruned graph, and ``graph-metadata.json``.
 
-Node ids are circuit-tracer's — feature ``{layer}_{feature}_{pos}``, token ``E_{id}_{pos}``, logit
+Node ids are circuit-tracer's — feature ``{layer}_{feature}_{pos}``, token ``E_{id}_{pos}`` (an image token's
+too: its clerp and the metadata's ``prompt_tokens`` entry say ``img{i} patch{j}``, and its node carries ``image``
+and ``patch``), logit
 ``{L+1}_{id}_{n-1}`` — except errors: circuit-tracer names error ``(l, p)`` ``0_{l}_{p}``, which is also the id of
 feature ``l`` of block 0 at position ``p`` (both can be in one graph, and the links then cannot tell them apart).
 jstd names errors ``{l}_error_{p}`` (never a feature's id: feature ids are numbers); ``circuit_tracer_ids=True``
@@ -63,6 +65,9 @@ def frontend_json(graph: Graph, slug: str, *, node_threshold: float = 0.8, edge_
         elif kind == "token":
             p, t = rest
             nodes[i] = _node(f"E_{t}_{p}", p, "E", p, "embedding", f"E_{t}-{p}", influence)
+            if graph.image_patch(i) is not None:  # an image node: labelled, its image and patch as extra data
+                image, patch = graph.image_patch(i)
+                nodes[i].update(clerp=graph.input_label(p), image=image, patch=patch)
         else:
             k, v = rest
             prob = float(graph.logit_probabilities[k])
@@ -74,7 +79,8 @@ def frontend_json(graph: Graph, slug: str, *, node_threshold: float = 0.8, edge_
              for s, t, a in zip(srcs, dsts, weights) if s in nodes and t in nodes]
     connected = {e["source"] for e in links} | {e["target"] for e in links}
     used = [v for v in nodes.values() if v["node_id"] in connected or v["feature_type"] in ("embedding", "logit")]
-    metadata = {"slug": slug, "scan": scan, "transcoder_list": [], "prompt_tokens": list(graph.prompt_tokens),
+    tokens = [graph.input_label(p) for p in range(n)]  # the token strings; "img{i} patch{j}" at image tokens
+    metadata = {"slug": slug, "scan": scan, "transcoder_list": [], "prompt_tokens": tokens,
                 "prompt": graph.input_string, "node_threshold": node_threshold, "schema_version": 1}
     qparams = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "", "sg_pos": ""}
     data = {"metadata": metadata, "qParams": qparams, "nodes": used, "links": links}

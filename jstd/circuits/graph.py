@@ -6,6 +6,11 @@ layer-major (block 0: positions 0..n-1, block 1: …) | tokens 0..n-1 | logit ta
 on a feature, its pre-activation minus ``b_enc``; on a logit target, the demeaned logit (or the custom
 direction's value) at the final norm's output. Rows of errors and tokens and columns of logits are zero.
 
+A prompt with images (an image-text wrapper's, ``jstd.circuits.inputs``) keeps this order: the token slot of an
+image token's position is its *image node* (its input vector is the merged embedding, the projector's feature
+row, where a text token's is its embedding); ``image_patches`` labels it by image and patch, and ``node`` still
+calls it ``("token", pos, image_token_id)`` (``image_patch`` tells which).
+
 ``adjacency`` is a dense ``float32 [N, N]`` array, or with ``jstd.attribute(..., edges_per_row=k)`` a
 ``SparseAdjacency``: each row's ``k`` largest edges by magnitude (CSR), with each row's full ``Σ |A[t, :]|`` kept
 beside them so that pruning's row-normalised weights of the kept edges are the dense graph's. At 10⁵ features the
@@ -91,6 +96,9 @@ class Graph:
     input_tokens: ``[n] int64`` (the BOS included). logit_token_ids: ``[k]`` (vocab ids; ``vocab_size + i`` for
     a custom direction ``i``); logit_probabilities ``[k]`` (or the custom weights); logit_vectors ``[k, d]``
     (what each logit target reads at the final norm's output); logit_strings: their labels.
+    image_patches: ``[n, 2] int64`` or None (a prompt without images): ``(image, patch)`` of the image token at
+    each position — image ``i`` of the prompt in the tower's order (an Idefics 3 tile), its ``j``-th image token —
+    and ``(-1, -1)`` at text positions.
     """
 
     adjacency: np.ndarray | SparseAdjacency
@@ -108,6 +116,7 @@ class Graph:
     input_string: str | None = None
     prompt_tokens: list[str] | None = None
     qk: QKGraph | None = None  # QK attributions and head loadings (jstd.circuits.qk_graph), saved beside the graph
+    image_patches: np.ndarray | None = None
 
     # ---- node bookkeeping --------------------------------------------------------------------------------------
     @property
@@ -154,6 +163,21 @@ class Graph:
         k = i - self.logit_start
         return ("logit", k, int(self.logit_token_ids[k]))
 
+    def image_patch(self, i: int) -> tuple[int, int] | None:
+        """``(image, patch)`` of node ``i`` where it is an image node (the token slot of an image token), else
+        None."""
+        kind, *rest = self.node(i)
+        if kind != "token" or self.image_patches is None or self.image_patches[rest[0], 0] < 0:
+            return None
+        return tuple(int(v) for v in self.image_patches[rest[0]])
+
+    def input_label(self, pos: int) -> str:
+        """The label of position ``pos``'s input: ``"img{i} patch{j}"`` at an image token, else its token string
+        (``prompt_tokens``; the id without them)."""
+        if self.image_patches is not None and self.image_patches[pos, 0] >= 0:
+            return "img{} patch{}".format(*map(int, self.image_patches[pos]))
+        return self.prompt_tokens[pos] if self.prompt_tokens is not None else str(int(self.input_tokens[pos]))
+
     def feature_node(self, layer: int, pos: int, feature: int) -> int:
         """The node index of feature ``(layer, pos, feature)``; KeyError if it is not a node of the graph."""
         chosen = self.active_features[self.selected_features]
@@ -168,6 +192,8 @@ class Graph:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         arrays = {k: getattr(self, k) for k in ARRAYS}
+        if self.image_patches is not None:
+            arrays["image_patches"] = np.asarray(self.image_patches, np.int64)
         if isinstance(self.adjacency, SparseAdjacency):
             a = arrays.pop("adjacency")
             arrays.update({f"adjacency.{k}": getattr(a, k) for k in SPARSE})
@@ -191,7 +217,7 @@ class Graph:
                 raise FileNotFoundError(f"{folder} has no {name}: Graph.save writes {GRAPH_FILE} and {META_FILE}")
         files = SafetensorsFiles(folder / GRAPH_FILE)
         names = set(files.keys())
-        arrays = {k: np.array(files.mapped(k, lazy=True)) for k in ARRAYS if k in names}
+        arrays = {k: np.array(files.mapped(k, lazy=True)) for k in ARRAYS + ("image_patches",) if k in names}
         if "adjacency" not in names:  # a SparseAdjacency
             parts = {k: np.array(files.mapped(f"adjacency.{k}", lazy=True)) for k in SPARSE}
             shape = tuple(int(i) for i in np.array(files.mapped("adjacency.shape", lazy=True)))

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jstd.circuits.inputs import merged_edits
 from jstd.circuits.transcoders import Transcoders
 from jstd.core.edits import Add, Edit
 from jstd.core.sites import SITES
@@ -80,13 +81,14 @@ def shallow(model, depth: int):
     depends on nothing later, so its backward need not pass the later blocks."""
     if depth == model.config.num_layers:
         return model
-    return eqx.tree_at(lambda m: m.layers, model, model.layers.first(depth))
+    return eqx.tree_at(lambda m: m.stacks["layers"], model, model.stacks["layers"].first(depth))  # a wrapper's too
 
 
 def linearised(model, tokens, tc: Transcoders, depth: int | None = None):
     """``f(δ_y [D, batch, seq, d], ε [batch, seq, d]) -> (x [D, batch, seq, d], final norm output)``: the local
     replacement model (module docstring) of the first ``D = depth`` blocks (None: all), a function whose
-    derivative at zero gives the direct effects. Below the full depth the final norm's output is that of the
+    derivative at zero gives the direct effects. ``tokens``: ids, or a prompt with images
+    (``jstd.circuits.inputs.ImagePrompt``, one row: ``ε`` at an image token perturbs its merged embedding). Below the full depth the final norm's output is that of the
     truncated stream (no logit target reads it)."""
     depth = depth or tc.num_layers
     model = frozen(shallow(model, depth))
@@ -95,7 +97,8 @@ def linearised(model, tokens, tc: Transcoders, depth: int | None = None):
 
     def f(deltas):
         d_y, d_e = deltas
-        edits = [Source(x_site, y_site), SkipOnly(y_site, W_skip, d_y), Add("token_embeddings", d_e)]
+        edits = [Source(x_site, y_site), SkipOnly(y_site, W_skip, d_y), Add("token_embeddings", d_e),
+                 *merged_edits(tokens, d_e)]  # a prompt with images: d_e at its image tokens (circuits.inputs)
         out = run(model, tokens, edits, reads=(x_site, "final_norm_output"))
         return out[x_site], out["final_norm_output"]
 

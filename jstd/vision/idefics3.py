@@ -90,9 +90,13 @@ class Idefics3Model(VisionLanguageModel):
         return tiles, blocks.sum(axis=(2, 4)) > 0
 
     def num_features(self, inputs: Inputs) -> int:
+        return sum(self.image_token_counts(inputs))
+
+    def image_token_counts(self, inputs: Inputs) -> tuple[int, ...]:
+        """Per real tile (the processor's crops and the whole image, each its own tower image)."""
         _, _, _, height, width = np.shape(inputs.images["pixel_values"])
         p = self.vision.patch_size
-        return len(self.real_tiles(inputs)) * (height // p) * (width // p) // self.scale ** 2
+        return ((height // p) * (width // p) // self.scale ** 2,) * len(self.real_tiles(inputs))
 
     def check_images(self, images: dict) -> None:
         v = self.config.vision

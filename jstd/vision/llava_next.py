@@ -173,7 +173,10 @@ class LlavaNextModel(LlavaModel):
         return jnp.concatenate(out)
 
     def num_features(self, inputs: Inputs) -> int:
-        return sum(self.image_tokens(size) for size in self.image_sizes(inputs))
+        return sum(self.image_token_counts(inputs))
+
+    def image_token_counts(self, inputs: Inputs) -> tuple[int, ...]:
+        return tuple(self.image_tokens(size) for size in self.image_sizes(inputs))
 
 
 class LlavaNext(Llava):

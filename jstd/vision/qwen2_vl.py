@@ -233,7 +233,10 @@ class QwenVLModel(VisionLanguageModel):
         return self.vision.restore(projected, self.grids(inputs))
 
     def num_features(self, inputs: Inputs) -> int:
-        return sum(t * h * w for t, h, w in self.grids(inputs)) // self.vision.merge ** 2
+        return sum(self.image_token_counts(inputs))
+
+    def image_token_counts(self, inputs: Inputs) -> tuple[int, ...]:
+        return tuple(t * h * w // self.vision.merge ** 2 for t, h, w in self.grids(inputs))
 
     def rope_positions(self, tokens, inputs: Inputs):
         if not self.text.mrope:

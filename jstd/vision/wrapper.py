@@ -103,6 +103,11 @@ class VisionLanguageModel(Model):
         pixels = inputs.images["pixel_values"]
         return int(np.shape(pixels)[0]) * self.tokens_per_image
 
+    def image_token_counts(self, inputs: Inputs) -> tuple[int, ...]:
+        """The image tokens of each image the tower runs on, in image-token order (static; they sum to
+        ``num_features``): what labels an image token "image ``i``, patch ``j``" (``jstd.attribute``)."""
+        return (self.tokens_per_image,) * int(np.shape(inputs.images["pixel_values"])[0])
+
     @property
     def tokens_per_image(self) -> int:
         return self.config.vision.num_patches
