@@ -313,6 +313,29 @@ def test_cli_writes_the_frontend_json(tmp_path, capsys):
     assert "no transcoder set" in capsys.readouterr().err
 
 
+def test_cli_keeps_the_top_edges_per_row(tmp_path):
+    """``--edges-per-row K``: the graph saved is ``attribute(..., edges_per_row=K)``'s, each row's K largest edges of
+    the dense graph with each row's full sum, and its JSON is written."""
+    from jstd.circuits import SparseAdjacency
+    from jstd.cli.main import main
+
+    name = "llama_plt_relu"
+    spec, _, _ = case(name)
+    d = DATA / name
+    text = spec["input_string"].split(" ", 1)[1]
+    status = main(["attribute", str(d / "model"), "--transcoders", str(d / "transcoders"), "--prompt", text,
+                   "--out", str(tmp_path), "--slug", name, "--batch-size", str(spec["settings"]["batch_size"]),
+                   "--max-n-logits", str(spec["settings"]["max_n_logits"]), "--desired-logit-prob",
+                   str(spec["settings"]["desired_logit_prob"]), "--edges-per-row", "3"])
+    assert status == 0 and (tmp_path / f"{name}.json").exists()
+    A = Graph.load(tmp_path / name).adjacency
+    dense = graph_of(name)[3].adjacency  # the same prompt and settings, dense
+    assert isinstance(A, SparseAdjacency) and A.shape == dense.shape and np.diff(A.indptr).max() == 3
+    kept = np.abs(A.toarray())
+    assert (np.sort(np.abs(dense), 1)[:, -3:].sum(1) - kept.sum(1) <= 1e-5 * np.abs(dense).max()).all()
+    np.testing.assert_allclose(A.row_abs_sums, np.abs(dense).sum(1), rtol=1e-5, atol=1e-6 * np.abs(dense).max())
+
+
 # ---- interventions --------------------------------------------------------------------------------------------------
 
 

@@ -276,6 +276,8 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
     ValueError for transcoders that do not fit the model, bad prompts or targets.
     """
     tc = transcoders
+    if hasattr(tokenizer, "image_processor") and hasattr(tokenizer, "tokenizer"):  # a processor: its tokenizer
+        tokenizer = tokenizer.tokenizer
     if mesh is not None:
         model, tc = place(model, tc, mesh, "FSDP" if layout is None else layout)
     elif layout is not None:

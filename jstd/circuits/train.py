@@ -49,8 +49,10 @@ from jaxtyping import Array, Float
 
 from jstd.circuits.files import save_transcoders
 from jstd.circuits.transcoders import Transcoders
+from jstd.nn.params import DATA, MODEL
 from jstd.sae.module import topk
 from jstd.sae.train import default_optimizer, jumprelu_estimated, placed, shuffled_batches, streamed
+from jstd.sharding import shard
 
 ARCHITECTURES = ("relu", "jumprelu", "topk")
 
@@ -225,13 +227,9 @@ def placement(mesh, tc: Transcoders):
     if mesh is None:
         return None, tc
     names = mesh.axis_names
-    data = "data" if "data" in names else None
-    model = "model" if "model" in names else None
-    put = lambda a, spec: None if a is None else jax.device_put(a, NamedSharding(mesh, spec))
-    tc = Transcoders(put(tc.W_enc, P(None, model, None)), put(tc.b_enc, P(None, model)),
-                     tuple(put(w, P(model, None, None)) for w in tc.W_dec), put(tc.b_dec, P()),
-                     put(tc.threshold, P(None, model)), put(tc.W_skip, P()), cross_layer=True,
-                     input_hook=tc.input_hook, output_hook=tc.output_hook, scan=tc.scan)
+    data = DATA if DATA in names else None
+    # the feature axis (logical "mlp": W_enc's rows, b_enc, the threshold, W_dec's rows) over model; the rest whole
+    tc = shard(tc, mesh, (("mlp", MODEL),) if MODEL in names else ())
     return NamedSharding(mesh, P(None, data, None)), tc
 
 

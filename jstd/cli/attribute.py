@@ -26,6 +26,9 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--desired-logit-prob", type=float, default=0.95)
     p.add_argument("--max-feature-nodes", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--edges-per-row", type=int, default=None,
+                   help="keep each row's N largest edges (a sparse graph: memory N per row, not the node count); "
+                        "default: the dense adjacency")
     p.add_argument("--node-threshold", type=float, default=0.8)
     p.add_argument("--edge-threshold", type=float, default=0.98)
     p.add_argument("--circuit-tracer-ids", action="store_true",
@@ -41,7 +44,7 @@ def command(args) -> int:
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         graph = attribute(model, args.prompt, transcoders, max_n_logits=args.max_n_logits,
                           desired_logit_prob=args.desired_logit_prob, max_feature_nodes=args.max_feature_nodes,
-                          batch_size=args.batch_size, tokenizer=tokenizer)
+                          batch_size=args.batch_size, tokenizer=tokenizer, edges_per_row=args.edges_per_row)
     except (FileNotFoundError, ValueError) as e:
         print(f"jstd attribute: {e}", file=sys.stderr)
         return 1
