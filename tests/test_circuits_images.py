@@ -222,3 +222,26 @@ def test_image_nodes_are_labelled_in_the_graph_and_the_json(built, tmp_path):
     for h in again:
         np.testing.assert_array_equal(h.adjacency, g.adjacency)
         np.testing.assert_array_equal(h.image_patches, g.image_patches)
+
+
+@pytest.mark.parametrize("name", ["llava_next", "idefics3"])
+def test_image_tokens_are_labelled_by_image_and_patch(name, tmp_path):
+    """Two images of different token counts (LLaVA-NeXT: sizes cut into different crop grids, counted by
+    transformers' own functions; Idefics 3: each tile a tower image of 4 tokens): each image token is labelled by its
+    image and its rank within it (no forward runs)."""
+    import families
+
+    spec = families.CASES[name]
+    model = jstd.load(spec.make(spec.config(), tmp_path, seed=spec.seed))
+    batch = spec.images(model, np.random.default_rng(0), [2])
+    if name == "llava_next":
+        counts = [families.llava_next_tokens(spec.config(), families.LLAVA_NEXT_SIZES[k]) for k in range(2)]
+        assert counts[0] != counts[1]
+    else:
+        counts = [(model.config.vision.image_size // model.config.vision.patch_size) ** 2 // model.scale ** 2] * sum(
+            families.IDEFICS3_TILES[:2])
+    ids, _, patches = image_prompt(model, batch, lambda i: i)
+    image = np.flatnonzero(ids == IMAGE_TOKEN)
+    np.testing.assert_array_equal(patches[image, 0], np.repeat(np.arange(len(counts)), counts))
+    np.testing.assert_array_equal(patches[image, 1], np.concatenate([np.arange(c) for c in counts]))
+    assert (patches[ids != IMAGE_TOKEN] == -1).all()
