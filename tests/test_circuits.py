@@ -138,10 +138,16 @@ def test_rows_sum_to_the_target_minus_the_constants(name):
     """Completeness: a target's input ⟨v, x⟩ = Σ_s A[t, s] + Σ_{l, p>=1} ⟨g_{l,p}, b_dec_l⟩ + Σ_l ⟨g_{l,0}, y_{l,0} -
     skip_l(x_{l,0})⟩ (g: the target's gradient at the MLP outputs in the linearised model), for every logit row and
     a spread of feature rows."""
+    model, _, tc, g = graph_of(name)
+    _, total, target = completeness(model, jnp.asarray(g.input_tokens[None], jnp.int32), tc, g)
+    np.testing.assert_allclose(total, target, rtol=1e-4, atol=1e-4 * np.abs(target).max())
+
+
+def completeness(model, tokens, tc, g):
+    """``(rows, Σ_s A[t, s] + constants, ⟨v, x⟩)`` for a spread of ``g``'s feature rows and every logit row
+    (``tokens``: the prompt's ids ``[1, n]``, or a ``jstd.circuits.inputs.ImagePrompt`` with its features held)."""
     from jstd.circuits.replacement import gradients, prompt_values
 
-    model, _, tc, g = graph_of(name)
-    tokens = jnp.asarray(g.input_tokens[None], jnp.int32)
     v = prompt_values(model, tokens, tc.input_site, tc.output_site)
     x, y, final = v["x"][:, 0], v["y"][:, 0], v["final"][0]
     L, n = g.num_layers, g.n_pos
@@ -159,8 +165,7 @@ def test_rows_sum_to_the_target_minus_the_constants(name):
     constant0 = np.asarray(y)[:, 0] - np.asarray(tc.skip(x[:, :1]))[:, 0]
     constants = (np.einsum("tlpd,ld->t", g_y[:, :, 1:], np.asarray(tc.b_dec, np.float64))
                  + np.einsum("tld,ld->t", g_y[:, :, 0], constant0))
-    total = g.adjacency[rows].astype(np.float64).sum(1) + constants
-    np.testing.assert_allclose(total, target, rtol=1e-4, atol=1e-4 * np.abs(target).max())
+    return rows, g.adjacency[rows].astype(np.float64).sum(1) + constants, target
 
 
 def test_frozen_norms_and_attention_are_fixed_linear_maps():

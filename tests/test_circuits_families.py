@@ -108,8 +108,9 @@ def two_blocks(config):
     return config
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def builder(tmp_path_factory, config=two_blocks):
+    """``build(name)``: the tiny model of case ``name`` (tests/families.py) with ``config`` applied to its
+    config, made and loaded once."""
     import families
 
     cache = {}
@@ -117,12 +118,17 @@ def built(tmp_path_factory):
     def build(name):
         if name not in cache:
             spec = families.CASES[name]
-            folder = spec.make(two_blocks(spec.config()), tmp_path_factory.mktemp(name.replace(".", "_")),
+            folder = spec.make(config(spec.config()), tmp_path_factory.mktemp(name.replace(".", "_")),
                                seed=spec.seed)
             cache[name] = jstd.load(folder)
         return cache[name]
 
     return build
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return builder(tmp_path_factory)
 
 
 def frozen_effects(model, tc, ids, sources, targets, monkeypatch):

@@ -25,12 +25,13 @@ import jstd
 from jstd.circuits import Graph, frontend_json
 from jstd.circuits.display import labelled
 from jstd.circuits.inputs import image_prompt, with_features
-from jstd.circuits.replacement import SkipOnly, gradients, prompt_values
+from jstd.circuits.replacement import SkipOnly, prompt_values
 from jstd.core.edits import Add
 from jstd.core.inputs import with_layout
 from jstd.nn.frozen import frozen
 from jstd.sae.splice import Source
-from test_circuits_families import FAR, H, held_forward, to64, transcoders
+from test_circuits import completeness
+from test_circuits_families import FAR, H, builder, held_forward, to64, transcoders
 
 WRAPPERS = ("llava", "gemma3", "qwen2_vl")
 IMAGE_TOKEN = 96  # tests/families.py's
@@ -40,15 +41,14 @@ IMAGE_TOKEN = 96  # tests/families.py's
 def built(tmp_path_factory):
     import families
 
+    model_of = builder(tmp_path_factory, lambda config: config)  # (2 text blocks already)
     cache = {}
 
     def build(name):
         if name not in cache:
-            spec = families.CASES[name]
-            folder = spec.make(spec.config(), tmp_path_factory.mktemp(name), seed=spec.seed)
-            model = jstd.load(folder)
+            model = model_of(name)
             rng = np.random.default_rng(0)
-            batch = spec.images(model, rng, [1])  # one row, one image (left-padded by two: attribute drops that)
+            batch = families.CASES[name].images(model, rng, [1])  # one row, one image (left-padded by two: dropped)
             batch["input_ids"][0, 2] = 1  # a BOS-like first real token
             tc = transcoders(model, rng)
             cache[name] = model, batch, tc, jstd.attribute(model, batch, tc, max_n_logits=2, desired_logit_prob=0.99)
@@ -163,25 +163,10 @@ def test_image_rows_sum_to_the_target_minus_the_constants(name, built):
     """Completeness with image nodes: ⟨v, x⟩ = Σ_s A[t, s] + ⟨g, b_dec⟩ at positions >= 1 + ⟨g, y - skip(x)⟩ at
     position 0, for feature and logit rows (as tests/test_circuits.py, the text case)."""
     model, batch, tc, g = built(name)
-    L, n = g.num_layers, g.n_pos
     ids, prompt, _ = image_prompt(model, batch, lambda i: i)
-    v = prompt_values(model, prompt, tc.input_site, tc.output_site)
-    prompt, _ = with_features(model, prompt, v["embeddings"])
-    x, y, final = v["x"][:, 0], v["y"][:, 0], v["final"][0]
-    picks = np.linspace(0, g.n_features - 1, 6).astype(int)
-    feats = g.active_features[g.selected_features[picks]]
-    layers = np.concatenate([feats[:, 0], np.full(g.n_logits, L)])
-    positions = np.concatenate([feats[:, 1], np.full(g.n_logits, n - 1)])
-    vectors = np.concatenate([np.asarray(tc.W_enc)[feats[:, 0], feats[:, 2]], g.logit_vectors])
-    g_y, _ = gradients(model, prompt, tc, jnp.asarray(layers), jnp.asarray(positions), jnp.asarray(vectors))
-    g_y = np.asarray(g_y, np.float64)
-    rows = np.concatenate([picks, np.arange(g.logit_start, g.n_nodes)])
-    read = np.concatenate([np.asarray(x)[feats[:, 0], feats[:, 1]], np.repeat(np.asarray(final)[n - 1:], g.n_logits, 0)])
-    target = (read.astype(np.float64) * vectors).sum(1)
-    constant0 = np.asarray(y)[:, 0] - np.asarray(tc.skip(x[:, :1]))[:, 0]
-    constants = (np.einsum("tlpd,ld->t", g_y[:, :, 1:], np.asarray(tc.b_dec, np.float64))
-                 + np.einsum("tld,ld->t", g_y[:, :, 0], constant0))
-    total = g.adjacency[rows].astype(np.float64).sum(1) + constants
+    embeddings = prompt_values(model, prompt, tc.input_site, tc.output_site)["embeddings"]
+    prompt, _ = with_features(model, prompt, embeddings)
+    rows, total, target = completeness(model, prompt, tc, g)
     np.testing.assert_allclose(total, target, rtol=1e-4, atol=1e-4 * np.abs(target).max())
     image = g.token_start + np.flatnonzero(ids == IMAGE_TOKEN)
     assert np.abs(g.adjacency[np.ix_(rows, image)]).sum() > 1e-3 * np.abs(g.adjacency[rows]).sum()
@@ -216,6 +201,10 @@ def test_image_nodes_are_labelled_in_the_graph_and_the_json(built, tmp_path):
     assert "image" not in nodes[f"E_{ids[1]}_1"]
     back = Graph.load(g.save(tmp_path / "g"))
     np.testing.assert_array_equal(back.image_patches, g.image_patches)
+    # programs that skip blocks (batches of features of one block run the first blocks alone): the same graph
+    deep = jstd.attribute(model, batch, tc, max_n_logits=2, desired_logit_prob=0.99, batch_size=4)
+    assert g.n_features > 4 * 4
+    np.testing.assert_allclose(deep.adjacency, g.adjacency, rtol=1e-5, atol=1e-6 * np.abs(g.adjacency).max())
     # several prompts with images: each its own graph, the same as alone
     again = jstd.attribute(model, [batch, batch], tc, max_n_logits=2, desired_logit_prob=0.99)
     assert len(again) == 2

@@ -249,8 +249,9 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
         or a list of prompts (a list of graphs back, in order). A prompt with images has one input node per image
         token, its merged embedding (the projector's feature row), in its position's token slot, labelled by
         image and patch (``Graph.image_patches``; ``jstd.circuits.inputs``: the tower is frozen, out of the
-        graph); prompts with images are attributed one at a time. The prompts of one call are padded on the right to the longest (with id 0; the model is
-        causal, so nothing at a real position sees the padding) and run their forwards as one batch; every
+        graph); prompts with images are attributed one at a time. The prompts of one call are padded on the
+        right to the longest (with id 0; the model is causal, so nothing at a real position sees the padding) and
+        run their forwards as one batch; every
         compiled program is shared, so a call compiles once whatever its prompts' lengths. Each prompt's graph is
         its own (its ``n`` positions, no padding node) and equals the graph of the prompt alone within float32
         rounding.

@@ -88,8 +88,8 @@ def linearised(model, tokens, tc: Transcoders, depth: int | None = None):
     """``f(δ_y [D, batch, seq, d], ε [batch, seq, d]) -> (x [D, batch, seq, d], final norm output)``: the local
     replacement model (module docstring) of the first ``D = depth`` blocks (None: all), a function whose
     derivative at zero gives the direct effects. ``tokens``: ids, or a prompt with images
-    (``jstd.circuits.inputs.ImagePrompt``, one row: ``ε`` at an image token perturbs its merged embedding). Below the full depth the final norm's output is that of the
-    truncated stream (no logit target reads it)."""
+    (``jstd.circuits.inputs.ImagePrompt``, one row: ``ε`` at an image token perturbs its merged embedding).
+    Below the full depth the final norm's output is that of the truncated stream (no logit target reads it)."""
     depth = depth or tc.num_layers
     model = frozen(shallow(model, depth))
     x_site, y_site = tc.input_site, tc.output_site
