@@ -199,6 +199,8 @@ def test_image_nodes_are_labelled_in_the_graph_and_the_json(built, tmp_path):
     third = nodes[f"E_{IMAGE_TOKEN}_{image[2]}"]
     assert (third["clerp"], third["image"], third["patch"], third["feature_type"]) == ("img0 patch2", 0, 2, "embedding")
     assert "image" not in nodes[f"E_{ids[1]}_1"]
+    ticks = [t.get_text() for t in jstd.circuits.plot_graph(g).axes[0].get_xticklabels()]
+    assert ticks[image[5]] == "img0 patch5" and ticks[1] == str(ids[1])
     back = Graph.load(g.save(tmp_path / "g"))
     np.testing.assert_array_equal(back.image_patches, g.image_patches)
     # programs that skip blocks (batches of features of one block run the first blocks alone): the same graph

@@ -104,11 +104,12 @@ def _position(graph: Graph, kept: np.ndarray) -> dict[int, tuple[float, float]]:
 def plot_graph(graph: Graph, pruned: Pruned | None = None, *, highlight: Sequence[int] = (), labels=None,
                title: str | None = None, path: str | os.PathLike | None = None):
     """The pruned graph as a matplotlib ``Figure``: nodes by layer (rows: token embeddings at the bottom, blocks,
-    logit targets at the top) and position (columns, labelled with ``labels`` or the graph's token strings or ids);
-    features as circles, errors as squares, tokens and logits as diamonds; edges blue (positive) or red (negative),
-    as wide and as opaque as |weight| over the largest kept; ``highlight`` (graph node indices along a path, e.g.
-    ``top_path(...).nodes``) drawn on top in black. ``pruned`` defaults to ``prune(graph)``. Writes a PNG to
-    ``path`` when given. Requires matplotlib (``pip install jstd[plots]``)."""
+    logit targets at the top) and position (columns, labelled with ``labels`` or the graph's token strings or ids,
+    ``img{i} patch{j}`` at image tokens); features as circles, errors as squares, tokens and logits as diamonds;
+    edges blue (positive) or red (negative), as wide and as opaque as |weight| over the largest kept;
+    ``highlight`` (graph node indices along a path, e.g. ``top_path(...).nodes``) drawn on top in black.
+    ``pruned`` defaults to ``prune(graph)``. Writes a PNG to ``path`` when given. Requires matplotlib
+    (``pip install jstd[plots]``)."""
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
@@ -117,7 +118,7 @@ def plot_graph(graph: Graph, pruned: Pruned | None = None, *, highlight: Sequenc
     kept = np.nonzero(pruned.node_mask)[0]
     xy = _position(graph, kept)
     L, n = graph.num_layers, graph.n_pos
-    labels = list(labels if labels is not None else graph.prompt_tokens or [str(t) for t in graph.input_tokens])
+    labels = list(labels if labels is not None else map(graph.input_label, range(graph.n_pos)))
     fig = Figure(figsize=(max(6.0, 0.42 * n + 1.5), 1.1 * (L + 2) + 1.0))
     ax = fig.add_subplot()
     A = graph.adjacency
