@@ -25,10 +25,13 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # Files that run first under xdist. `make test` deals whole files to its workers (`--dist loadfile`) in the order of
 # the items; xdist's own order (most tests first) would start these last, though each holds a few tests of a minute or
-# more (whole processes on 8 simulated devices, several processes, docs recipes that train), and the run would end
-# with one worker on them while the other idles. Longest first, then every other file by its number of tests.
-FIRST = ("test_multihost.py", "test_circuits_mesh.py", "test_sharding.py", "test_recipes.py", "test_interventions.py",
-         "test_wrapper_tools.py", "test_compile_cache.py", "test_startup.py", "test_loading.py")
+# more (whole processes on 8 simulated devices, several processes, docs recipes that train, generation), and the run
+# would end with one worker on them while the other idles. Longest first (CI's durations), then every other file by
+# its number of tests.
+FIRST = ("test_multihost.py", "test_interventions.py", "test_recipes.py", "test_context.py", "test_qwen2_moe_phimoe.py",
+         "test_circuits_mesh.py", "test_sharding.py", "test_wrapper_tools.py", "test_qwen3_vl.py", "test_gpt_oss.py",
+         "test_circuits_train.py", "test_circuits_qk.py", "test_loading.py", "test_compile_cache.py",
+         "test_demo_model.py", "test_startup.py")
 
 
 def pytest_collection_modifyitems(config, items):
