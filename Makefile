@@ -34,11 +34,12 @@ demo: $(VENV)/.demo
 	$(VENV)/bin/jstd demo
 
 # the suite is mostly XLA compiles, one core each: one worker per core (of 2), each test file on one worker so
-# its module fixtures are built once; TEST_WORKERS=0 runs it in this process
+# its module fixtures are built once, in the order tests/conftest.py gives (the files of a few minute-long tests
+# first, so that no worker idles at the end); TEST_WORKERS=0 runs it in this process
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.test
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 docs: $(VENV)/.core
 	$(PY) -c 'from jstd.families import values_markdown; print(values_markdown(), end="")' > docs/values.md

@@ -23,6 +23,28 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# Files that run first under xdist. `make test` deals whole files to its workers (`--dist loadfile`) in the order of
+# the items; xdist's own order (most tests first) would start these last, though each holds a few tests of a minute or
+# more (whole processes on 8 simulated devices, several processes, docs recipes that train, generation), and the run
+# would end with one worker on them while the other idles. Longest first (CI's durations), then every other file by
+# its number of tests.
+FIRST = ("test_multihost.py", "test_interventions.py", "test_recipes.py", "test_context.py", "test_qwen2_moe_phimoe.py",
+         "test_circuits_mesh.py", "test_sharding.py", "test_wrapper_tools.py", "test_qwen3_vl.py", "test_gpt_oss.py",
+         "test_circuits_train.py", "test_circuits_qk.py", "test_loading.py", "test_compile_cache.py",
+         "test_demo_model.py", "test_startup.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the items file by file: ``FIRST``, then the other files by their number of tests (most first), each
+    file's tests in their own order (Makefile: ``--no-loadscope-reorder`` keeps this order)."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    rank = {name: i for i, name in enumerate(FIRST)}
+    order = sorted(files, key=lambda f: (rank.get(f.rsplit("/", 1)[-1], len(FIRST)), -len(files[f])))
+    items[:] = [item for f in order for item in files[f]]
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drop every compiled program after each test module. Each XLA CPU executable holds memory mappings of its
