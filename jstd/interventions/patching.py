@@ -28,14 +28,14 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.interventions.chunking import balanced, fit
-from jstd.core.checks import trusted
+from jstd.core.checks import host_value, trusted
 from jstd.core.jit import device_array
 from jstd.core.edits import Set, check_index, selection_mask, site_axes
 from jstd.core.progress import Progress, quiet_unless_terminal
 from jstd.core.inputs import Inputs, as_inputs
 from jstd.interventions.metrics import check_metric
 from jstd.interventions.reading import read
-from jstd.interventions.resume import corrupted_run_bytes, resumable, resumed_sweep
+from jstd.interventions.resume import corrupted_run_bytes, resumable, resumed_sweep, shared_prefix
 from jstd.run import run
 from jstd.sharding import spread
 from jstd.core.sites import SITES, SiteError, parse
@@ -182,7 +182,10 @@ def patch_sweep(
             and corrupted_run_bytes(model, corrupt.tokens, site, corrupt.attention_mask) <= memory_budget):
         out = resumed_sweep(model, clean_values, corrupt.tokens, corrupt.attention_mask, site, metric, axes[0], axes[1],
                             axes[2] if split_heads else [0], split_heads, memory_budget, chunk_size,
-                            lambda blocks: _progress(blocks, progress, f"patching {site}"), spread)
+                            lambda blocks: _progress(blocks, progress, f"patching {site}"), spread,
+                            shared_prefix(*(host_value(x) for x in (clean.tokens, corrupt.tokens)),
+                                          *(None if m is None else host_value(m)
+                                            for m in (clean.attention_mask, corrupt.attention_mask))))
         return device_array(out.reshape(shape + out.shape[2:]))
 
     what = (per_block, pos_axis is not None, split_heads)

@@ -61,17 +61,30 @@ class Rows(NamedTuple):
     offsets: np.ndarray
 
 
-def pack(positions: np.ndarray, heads: np.ndarray, seq: int, pair: bool) -> Rows:
+def pack(positions: np.ndarray, heads: np.ndarray, seq: int, pair: bool, *, end: int | None = None,
+         unchanged: np.ndarray | None = None) -> Rows:
     """Rows holding the suffix of every entry ``(positions[i], heads[i])``: two per row when ``pair``.
 
+    A suffix runs from its entry's position to ``end - 1`` (default ``seq``:
+    the last position; a metric that reads one position needs no later one).
     The longest suffix shares a row with the shortest, and so on; rows are
     padded at the end with tokens at position ``seq - 1`` (each its own
-    segment; they come after every real token, so they change nothing).
+    segment, or the continuation of one that ends at ``seq - 2``; they come
+    after every real token, so they change nothing). The entries marked
+    ``unchanged`` (a patch that cannot change the metric) get no tokens: each
+    is one more slot of some row, its start ``seq``, so its metric is the
+    corrupted run's.
     """
-    order = np.argsort(positions, kind="stable")
+    end = seq if end is None else end
+    unchanged = np.zeros(len(positions), bool) if unchanged is None else np.asarray(unchanged, bool)
+    live = np.flatnonzero(~unchanged)
+    order = live[np.argsort(positions[live], kind="stable")]
     n = len(order)
     groups = [[order[i], order[n - 1 - i]] if pair and i != n - 1 - i else [order[i]] for i in range((n + 1) // 2 if pair else n)]
-    length = max(sum(seq - positions[e] for e in g) for g in groups)
+    groups = groups or [[]]
+    for i, e in enumerate(np.flatnonzero(unchanged)):  # no tokens: spread over the rows as extra slots
+        groups[i % len(groups)].append(e)
+    length = max(1, max(sum(end - positions[e] for e in g if not unchanged[e]) for g in groups))
     slots = max(len(g) for g in groups)
     rows = len(groups)
     pos = np.full((rows, length), seq - 1, np.int32)
@@ -83,13 +96,29 @@ def pack(positions: np.ndarray, heads: np.ndarray, seq: int, pair: bool) -> Rows
     for r, group in enumerate(groups):
         at = 0
         for k, e in enumerate(group):
+            entries[r, k] = e
+            if unchanged[e]:
+                starts[r, k] = seq
+                continue
             p = int(positions[e])
-            pos[r, at:at + seq - p] = np.arange(p, seq)
+            pos[r, at:at + end - p] = np.arange(p, end)
             first[r, at] = True
-            head[r, at:at + seq - p] = heads[e]
-            starts[r, k], entries[r, k], offsets[r, k] = p, e, at
-            at += seq - p
+            head[r, at:at + end - p] = heads[e]
+            starts[r, k], offsets[r, k] = p, at
+            at += end - p
     return Rows(pos, first, head, starts, entries, offsets)
+
+
+def shared_prefix(clean: np.ndarray, corrupt: np.ndarray, clean_mask=None, corrupt_mask=None) -> int:
+    """How many leading positions the clean and corrupted inputs share in every row (tokens ``[batch, seq]`` and
+    padding masks, None: no padding). The model is causal, so every site there holds the same value on both runs
+    and a patch there changes nothing."""
+    same = np.asarray(clean) == np.asarray(corrupt)
+    if clean_mask is not None or corrupt_mask is not None:
+        real = lambda m: np.ones(same.shape, bool) if m is None else np.asarray(m) != 0
+        same &= real(clean_mask) == real(corrupt_mask)
+    differs = np.flatnonzero(~same.all(axis=0))
+    return int(differs[0]) if len(differs) else same.shape[1]
 
 
 def bytes_per_row(model, batch: int, length: int, keys: int) -> int:
@@ -101,7 +130,8 @@ def bytes_per_row(model, batch: int, length: int, keys: int) -> int:
 
 
 def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metric, layers, positions, heads,
-                  split_heads: bool, memory_budget: int, chunk_size: int | None, progress, spread=None) -> np.ndarray:
+                  split_heads: bool, memory_budget: int, chunk_size: int | None, progress, spread=None,
+                  shared: int = 0) -> np.ndarray:
     """The sweep of ``patch_sweep`` through resumed runs: ``[layers, positions x heads, *metric]``.
 
     ``clean_values``: the clean run's value of ``site`` (stacked over blocks);
@@ -109,7 +139,11 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     False: all heads together); ``chunk_size``: rows per chunk (default: as
     many as fit ``memory_budget``, ``chunking.fit`` from the guess of
     ``bytes_per_row``); ``progress`` wraps the iterable of blocks; ``spread``
-    (``patching.Spread``) places each chunk's rows, split over a mesh axis.
+    (``patching.Spread``) places each chunk's rows, split over a mesh axis;
+    ``shared``: the leading positions the clean and corrupted inputs share
+    (``shared_prefix``). Entries whose patch cannot change the metric — at a
+    shared position, or after the position a ``PositionMetric`` reads — are
+    the corrupted run's metric and cost no tokens.
     """
     seq = corrupt.shape[1]
     corrupt_out = corrupted_run(model, corrupt, site, attention_mask)
@@ -117,7 +151,9 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     entry_p = np.repeat(np.asarray(positions, np.int32), len(heads))
     entry_h = np.tile(np.asarray(heads, np.int32), len(positions))
     entry_p = np.where(entry_p < 0, entry_p + seq, entry_p)
-    rows = pack(entry_p, entry_h, seq, pair=not model.layers_with("linear_attn"))
+    end = metric.position % seq + 1 if isinstance(metric, PositionMetric) else seq
+    rows = pack(entry_p, entry_h, seq, pair=not model.layers_with("linear_attn"), end=end,
+                unchanged=(entry_p < shared) | (entry_p >= end))
     n_rows, length = rows.positions.shape
     keys = length + (as_cached(corrupt_out[Context.sites_for(model)[0]]).shape[3] if model.layers_with("self_attn") else 0)
     place = (lambda a, size: device_array(a)) if spread is None else spread.place
