@@ -35,7 +35,7 @@ from jstd.core.progress import Progress, quiet_unless_terminal
 from jstd.core.inputs import Inputs, as_inputs
 from jstd.interventions.metrics import check_metric
 from jstd.interventions.reading import read
-from jstd.interventions.resume import corrupted_run_bytes, resumable, resumed_sweep, shared_prefix
+from jstd.interventions.resume import both_runs, corrupted_run_bytes, resumable, resumed_sweep, shared_prefix
 from jstd.run import run
 from jstd.sharding import spread
 from jstd.core.sites import SITES, SiteError, parse
@@ -164,7 +164,12 @@ def patch_sweep(
     clean, corrupt = pair_inputs(clean, corrupt, attention_mask)
     who = f"patch_sweep at {site}"
     corrupt = checked_metric(metric, corrupt, model, who)
-    clean_values = read(model, clean, (site,), ())[site]
+    resumed = (resumable(site) and corrupt.images is None
+               and corrupted_run_bytes(model, corrupt.tokens, site, corrupt.attention_mask) <= memory_budget)
+    if resumed:  # the clean run's values and the corrupted run's caches from one program
+        clean_values, corrupt_out = both_runs(model, clean, corrupt, site)
+    else:
+        clean_values = read(model, clean, (site,), ())[site]
     pos_axis, _ = site_axes(site)
     per_block = SITES[site].per_block
     axes, split_heads = _grid_axes(model, site, clean_values.shape[1 if per_block else 0:], layers, positions, heads,
@@ -178,14 +183,14 @@ def patch_sweep(
     grid_p = next(columns) if pos_axis is not None else zeros
     grid_h = next(columns) if split_heads else zeros
 
-    if (resumable(site) and corrupt.images is None
-            and corrupted_run_bytes(model, corrupt.tokens, site, corrupt.attention_mask) <= memory_budget):
+    if resumed:
         out = resumed_sweep(model, clean_values, corrupt.tokens, corrupt.attention_mask, site, metric, axes[0], axes[1],
                             axes[2] if split_heads else [0], split_heads, memory_budget, chunk_size,
                             lambda blocks: _progress(blocks, progress, f"patching {site}"), spread,
                             shared_prefix(*(host_value(x) for x in (clean.tokens, corrupt.tokens)),
                                           *(None if m is None else host_value(m)
-                                            for m in (clean.attention_mask, corrupt.attention_mask))))
+                                            for m in (clean.attention_mask, corrupt.attention_mask))),
+                            corrupt_out)
         return device_array(out.reshape(shape + out.shape[2:]))
 
     what = (per_block, pos_axis is not None, split_heads)

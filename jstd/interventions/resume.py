@@ -24,14 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jstd.core.checks import host_value, trusted
+from jstd.core.checks import host_value, spans_processes, trusted
 from jstd.core.jit import device_array
 from jstd.core.context import Context, as_cached
 from jstd.interventions.chunking import fit
 from jstd.core.edits import Set, site_axes
 from jstd.interventions.metrics import PositionMetric
 from jstd.interventions.reading import read
-from jstd.run import run
+from jstd.run import check_tokens, run
 from jstd.core.sites import SITES
 
 STREAM_SITES = ("layers.layer_input", "layers.layer_output")
@@ -131,7 +131,7 @@ def bytes_per_row(model, batch: int, length: int, keys: int) -> int:
 
 def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metric, layers, positions, heads,
                   split_heads: bool, memory_budget: int, chunk_size: int | None, progress, spread=None,
-                  shared: int = 0) -> np.ndarray:
+                  shared: int = 0, corrupt_out=None) -> np.ndarray:
     """The sweep of ``patch_sweep`` through resumed runs: ``[layers, positions x heads, *metric]``.
 
     ``clean_values``: the clean run's value of ``site`` (stacked over blocks);
@@ -141,12 +141,14 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     ``bytes_per_row``); ``progress`` wraps the iterable of blocks; ``spread``
     (``patching.Spread``) places each chunk's rows, split over a mesh axis;
     ``shared``: the leading positions the clean and corrupted inputs share
-    (``shared_prefix``). Entries whose patch cannot change the metric — at a
+    (``shared_prefix``); ``corrupt_out``: ``corrupted_run``'s outputs when the
+    caller has them (``both_runs``). Entries whose patch cannot change the metric — at a
     shared position, or after the position a ``PositionMetric`` reads — are
     the corrupted run's metric and cost no tokens.
     """
     seq = corrupt.shape[1]
-    corrupt_out = corrupted_run(model, corrupt, site, attention_mask)
+    if corrupt_out is None:
+        corrupt_out = corrupted_run(model, corrupt, site, attention_mask)
 
     entry_p = np.repeat(np.asarray(positions, np.int32), len(heads))
     entry_h = np.tile(np.asarray(heads, np.int32), len(positions))
@@ -182,6 +184,43 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     return np.stack(out)
 
 
+def both_runs(model, clean, corrupt, site: str) -> tuple:
+    """``(clean_values, corrupt_out)``: the clean run's ``site`` (stacked over blocks) and ``corrupted_run``'s
+    outputs, from one compiled run over both batches side by side (``jstd.Inputs`` of tokens, images None), so a
+    sweep compiles one forward, not two; each row runs alone, so the values are each run's own. Inputs spread
+    over several processes run apart (``corrupt_out`` None: ``resumed_sweep`` reads it)."""
+    inputs = [x for pair in (clean, corrupt) for x in (pair.tokens, pair.attention_mask) if x is not None]
+    if any(spans_processes(x) for x in inputs):
+        return read(model, clean, (site,), ())[site], None
+    tokens = [host_value(x.tokens) for x in (clean, corrupt)]
+    mask = None
+    if clean.attention_mask is not None or corrupt.attention_mask is not None:
+        mask = np.concatenate([np.ones(t.shape, np.int32) if x.attention_mask is None else host_value(x.attention_mask)
+                               for t, x in zip(tokens, (clean, corrupt))]).astype(np.int32)
+    tokens = check_tokens(np.concatenate(tokens), model.config.vocab_size)  # concretely: the program is trusted
+    with trusted():
+        return _both_runs(model, device_array(tokens), None if mask is None else device_array(mask), site,
+                          len(tokens) // 2)
+
+
+@eqx.filter_jit
+def _both_runs(model, tokens, mask, site: str, batch: int):
+    """``both_runs``' program: one run over ``[clean; corrupt]`` (``batch`` rows each), its reads split in two."""
+    corrupted = corrupted_sites(model, site)
+    out = run(model, tokens, reads=tuple(sorted({site, *corrupted})), attention_mask=mask)
+
+    def half(name, second):
+        axis = SITES[name].layout.index("batch") + SITES[name].per_block
+        return jax.lax.slice_in_dim(out[name], batch if second else 0, 2 * batch if second else batch, axis=axis)
+
+    return half(site, False), {name: half(name, True) for name in corrupted}
+
+
+def corrupted_sites(model, site: str) -> tuple[str, ...]:
+    """The sites ``corrupted_run`` reads."""
+    return Context.sites_for(model) + (_stream_site(site), "final_norm_output")
+
+
 def corrupted_run_bytes(model, corrupt, site: str, attention_mask=None) -> int:
     """The bytes ``corrupted_run`` keeps (from its shapes; nothing runs): on DeltaNet models the state at every
     position dominates, ``key_dim · value_dim`` floats per head, block and token."""
@@ -192,7 +231,7 @@ def corrupted_run_bytes(model, corrupt, site: str, attention_mask=None) -> int:
 def corrupted_run(model, corrupt, site: str, attention_mask=None):
     """What the resumed runs of a sweep at ``site`` continue: the corrupted run's cached keys, values and states
     (``Context.sites_for``), the stream at ``site``'s block and the final norm's output."""
-    return read(model, corrupt, Context.sites_for(model) + (_stream_site(site), "final_norm_output"), (), attention_mask)
+    return read(model, corrupt, corrupted_sites(model, site), (), attention_mask)
 
 
 @eqx.filter_jit
