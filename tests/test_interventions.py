@@ -346,6 +346,28 @@ def test_resumed_sweeps_equal_recomputed_sweeps(model, pair, site, heads, monkey
         close(resumed, recomputed, 1e-4)
 
 
+def test_a_sweep_runs_only_what_can_change_the_metric(model, pair, monkeypatch):
+    """Entries at positions the prompts share (before position 2) and after the metric's position (4) are the
+    corrupted run's metric and get no tokens; the rest are the patched runs', suffixes ending at position 4."""
+    from jstd.interventions import resume
+
+    clean, corrupt = pair
+    metric = jstd.logit_difference(5, 9, position=4)
+    packed = []
+    pack = resume.pack
+    monkeypatch.setattr(resume, "pack", lambda *a, **k: packed.append(pack(*a, **k)) or packed[-1])
+    site = "layers.layer_output"
+    grid = jstd.patch_sweep(model, clean, corrupt, site, metric, layers=[0, 2], progress=False)
+    rows = packed[0]
+    live = (rows.entries >= 0) & (rows.starts < SEQ)
+    assert rows.positions.shape == (2, 4) and np.sort(rows.starts[live]).tolist() == [2, 3, 4]
+    base = metric(read(model, corrupt).logits)
+    close(grid[:, [0, 1, 5, 6]], np.full((2, 4), base), 1e-4)
+    for i, layer in enumerate([0, 2]):
+        for pos in (2, 3, 4):
+            close(grid[i, pos], jstd.patch(model, clean, corrupt, site, layer=layer, positions=pos, metric=metric), 1e-4)
+
+
 def test_hybrid_sweep_resumes_states(tmp_path_factory, monkeypatch):
     from olmo_hybrid_cases import SHORT_TAIL, config, make_checkpoint
 

@@ -7,7 +7,12 @@ computes only the positions from ``p`` on, against the corrupted run's cached
 keys, values and states (``jstd.Context``). On softmax-attention models two
 such suffixes share one row — the suffix from ``p`` and a shorter one — so
 every row has about ``seq + 1`` tokens and all rows one shape: one compile
-for the whole sweep, the block index traced.
+for the whole sweep, the block index traced. A patch at a position the clean
+and corrupted prompts share (``shared_prefix``: before their first difference
+both runs hold the same values everywhere) or after the one position a metric
+reads changes nothing: such entries get no tokens, only a slot whose metric is
+the corrupted run's. The clean run's values and the corrupted run's caches
+come from one program over both prompts (``both_runs``).
 
 A metric that reads one position (``metrics.PositionMetric``) gets the logits
 at that position alone; any other metric gets the full logits, the prefix's
@@ -184,23 +189,30 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     return np.stack(out)
 
 
-def both_runs(model, clean, corrupt, site: str) -> tuple:
+def both_runs(model, clean, corrupt, site: str, memory_budget: int) -> tuple | None:
     """``(clean_values, corrupt_out)``: the clean run's ``site`` (stacked over blocks) and ``corrupted_run``'s
     outputs, from one compiled run over both batches side by side (``jstd.Inputs`` of tokens, images None), so a
-    sweep compiles one forward, not two; each row runs alone, so the values are each run's own. Inputs spread
-    over several processes run apart (``corrupt_out`` None: ``resumed_sweep`` reads it)."""
+    sweep compiles one forward, not two; each row runs alone, so the values are each run's own. None when the
+    corrupted run's outputs alone pass ``memory_budget`` bytes (``corrupted_run_bytes``; the program is traced
+    once for that figure and the run). Inputs spread over several processes run apart (``corrupt_out`` None:
+    ``resumed_sweep`` reads it)."""
     inputs = [x for pair in (clean, corrupt) for x in (pair.tokens, pair.attention_mask) if x is not None]
     if any(spans_processes(x) for x in inputs):
+        if corrupted_run_bytes(model, corrupt.tokens, site, corrupt.attention_mask) > memory_budget:
+            return None
         return read(model, clean, (site,), ())[site], None
     tokens = [host_value(x.tokens) for x in (clean, corrupt)]
     mask = None
     if clean.attention_mask is not None or corrupt.attention_mask is not None:
-        mask = np.concatenate([np.ones(t.shape, np.int32) if x.attention_mask is None else host_value(x.attention_mask)
-                               for t, x in zip(tokens, (clean, corrupt))]).astype(np.int32)
-    tokens = check_tokens(np.concatenate(tokens), model.config.vocab_size)  # concretely: the program is trusted
+        mask = device_array(np.concatenate([
+            np.ones(t.shape, np.int32) if x.attention_mask is None else host_value(x.attention_mask)
+            for t, x in zip(tokens, (clean, corrupt))]).astype(np.int32))
+    tokens = device_array(check_tokens(np.concatenate(tokens), model.config.vocab_size))  # checked: trusted below
+    program = lambda: _both_runs(model, tokens, mask, site, len(tokens) // 2)
     with trusted():
-        return _both_runs(model, device_array(tokens), None if mask is None else device_array(mask), site,
-                          len(tokens) // 2)
+        if nbytes(jax.eval_shape(program)[1]) > memory_budget:  # (corrupted_run_bytes; the trace is reused)
+            return None
+        return program()
 
 
 @eqx.filter_jit
@@ -222,10 +234,16 @@ def corrupted_sites(model, site: str) -> tuple[str, ...]:
 
 
 def corrupted_run_bytes(model, corrupt, site: str, attention_mask=None) -> int:
-    """The bytes ``corrupted_run`` keeps (from its shapes; nothing runs): on DeltaNet models the state at every
-    position dominates, ``key_dim · value_dim`` floats per head, block and token."""
+    """The bytes of the sites ``corrupted_run`` reads, what a resumed sweep keeps (from its shapes; nothing runs):
+    on DeltaNet models the state at every position dominates, ``key_dim · value_dim`` floats per head, block and
+    token."""
     out = jax.eval_shape(lambda: corrupted_run(model, corrupt, site, attention_mask))
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(out))
+    return nbytes([out[name] for name in corrupted_sites(model, site)])
+
+
+def nbytes(tree) -> int:
+    """The bytes of every array (or shape) in ``tree``."""
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def corrupted_run(model, corrupt, site: str, attention_mask=None):
