@@ -14,7 +14,9 @@ whichever of 1 or all threads runs its forward faster here.
 ``patch_sweep`` resumes the corrupted run (``jstd.interventions.resume``):
 each patched run starts at the patched block and computes only the positions
 from the patched one on, against the corrupted run's keys and values, two
-suffixes packed per row.
+suffixes packed per row; the 20 positions before the first corrupted token are
+shared by both prompts, so their 160 entries are the corrupted run's metric and
+run nothing (``jstd.interventions.resume.shared_prefix``).
 
 Peak memory: in a fresh process (glibc told to return large blocks at once),
 RSS is sampled every 2 ms during a warm sweep under a budget, for two sweep

@@ -148,10 +148,11 @@ def test_head_sweep_compiles_once_and_matches(model, pair):
     close(together[0, 0], jstd.patch(model, clean, corrupt, site, layer=3, positions=2, metric=metric), 1e-4)
 
 
-def test_a_cold_residual_sweep_compiles_three_programs(model):
-    """A resumed sweep compiles the clean run's read, the corrupted run's and the chunk, nothing else (host data
-    goes to the device through ``device_put``, which compiles nothing: ``jnp.asarray`` of numpy compiled a
-    program for each new shape and dtype, seven more here)."""
+def test_a_cold_residual_sweep_compiles_two_programs(model):
+    """A resumed sweep compiles one run over the clean and corrupted prompts side by side (the clean run's values,
+    the corrupted run's caches) and the chunk, nothing else (host data goes to the device through ``device_put``,
+    which compiles nothing: ``jnp.asarray`` of numpy compiled a program for each new shape and dtype, seven more
+    here)."""
     rng = np.random.default_rng(3)
     clean = rng.integers(3, model.config.vocab_size, (1, 13))  # a shape no other test compiles
     corrupt = clean.copy()
@@ -163,7 +164,7 @@ def test_a_cold_residual_sweep_compiles_three_programs(model):
         jstd.patch_sweep(model, clean, corrupt, "layers.layer_output", jstd.logit_difference(5, 9), progress=False)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    assert len(compiles) == 3, compiles
+    assert len(compiles) == 2, compiles
 
 
 def test_chunks_fit_the_memory_budget(model):
@@ -343,6 +344,28 @@ def test_resumed_sweeps_equal_recomputed_sweeps(model, pair, site, heads, monkey
             recomputed = sweep()
         assert resumed.shape == recomputed.shape
         close(resumed, recomputed, 1e-4)
+
+
+def test_a_sweep_runs_only_what_can_change_the_metric(model, pair, monkeypatch):
+    """Entries at positions the prompts share (before position 2) and after the metric's position (4) are the
+    corrupted run's metric and get no tokens; the rest are the patched runs', suffixes ending at position 4."""
+    from jstd.interventions import resume
+
+    clean, corrupt = pair
+    metric = jstd.logit_difference(5, 9, position=4)
+    packed = []
+    pack = resume.pack
+    monkeypatch.setattr(resume, "pack", lambda *a, **k: packed.append(pack(*a, **k)) or packed[-1])
+    site = "layers.layer_output"
+    grid = jstd.patch_sweep(model, clean, corrupt, site, metric, layers=[0, 2], progress=False)
+    rows = packed[0]
+    live = (rows.entries >= 0) & (rows.starts < SEQ)
+    assert rows.positions.shape == (2, 4) and np.sort(rows.starts[live]).tolist() == [2, 3, 4]
+    base = metric(read(model, corrupt).logits)
+    close(grid[:, [0, 1, 5, 6]], np.full((2, 4), base), 1e-4)
+    for i, layer in enumerate([0, 2]):
+        for pos in (2, 3, 4):
+            close(grid[i, pos], jstd.patch(model, clean, corrupt, site, layer=layer, positions=pos, metric=metric), 1e-4)
 
 
 def test_hybrid_sweep_resumes_states(tmp_path_factory, monkeypatch):

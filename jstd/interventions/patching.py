@@ -12,7 +12,10 @@ A patch at block ``l`` and position ``p`` changes nothing before either, so
 sweeps at sites with a ``seq`` axis resume the corrupted run
 (``jstd.interventions.resume``): each patched run starts at block ``l`` and
 computes the positions from ``p`` on against the corrupted run's cached keys,
-values and states. Other sites (attention patterns, states, prompt-wide
+values and states. Entries whose patch cannot change the metric cost nothing:
+positions the clean and corrupted prompts share (every value there is the
+same on both runs), and positions after the one a ``PositionMetric`` reads.
+Other sites (attention patterns, states, prompt-wide
 values) recompute every block and position.
 """
 
@@ -28,14 +31,14 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.interventions.chunking import balanced, fit
-from jstd.core.checks import trusted
+from jstd.core.checks import host_value, trusted
 from jstd.core.jit import device_array
 from jstd.core.edits import Set, check_index, selection_mask, site_axes
 from jstd.core.progress import Progress, quiet_unless_terminal
 from jstd.core.inputs import Inputs, as_inputs
 from jstd.interventions.metrics import check_metric
 from jstd.interventions.reading import read
-from jstd.interventions.resume import corrupted_run_bytes, resumable, resumed_sweep
+from jstd.interventions.resume import both_runs, resumable, resumed_sweep, shared_prefix
 from jstd.run import run
 from jstd.sharding import spread
 from jstd.core.sites import SITES, SiteError, parse
@@ -149,7 +152,10 @@ def patch_sweep(
     corrupted runs' values and the results are outside the budget) run as one
     compiled ``vmap`` each, on a progress line (to a terminal) with
     ``progress``. A resumed sweep's chunks are packed rows, each holding
-    up to two entries. It keeps the corrupted run's caches (keys and values;
+    up to two entries; an entry at a position the clean and corrupted inputs
+    share (a shared prefix: the runs agree there at every site), or after the
+    position a ``PositionMetric`` reads, is the corrupted run's metric and
+    runs nothing. It keeps the corrupted run's caches (keys and values;
     on DeltaNet models the state at every position: 48 MiB a token at
     Qwen3.5-4B's size); where those alone pass ``memory_budget``, each patched
     run is computed whole instead (the same grid, more FLOPs).
@@ -164,7 +170,10 @@ def patch_sweep(
     clean, corrupt = pair_inputs(clean, corrupt, attention_mask)
     who = f"patch_sweep at {site}"
     corrupt = checked_metric(metric, corrupt, model, who)
-    clean_values = read(model, clean, (site,), ())[site]
+    # the clean run's values and the corrupted run's caches from one program, where those fit the budget
+    both = both_runs(model, clean, corrupt, site, memory_budget) if resumable(site) and corrupt.images is None else None
+    resumed = both is not None
+    clean_values, corrupt_out = both if resumed else (read(model, clean, (site,), ())[site], None)
     pos_axis, _ = site_axes(site)
     per_block = SITES[site].per_block
     axes, split_heads = _grid_axes(model, site, clean_values.shape[1 if per_block else 0:], layers, positions, heads,
@@ -178,11 +187,14 @@ def patch_sweep(
     grid_p = next(columns) if pos_axis is not None else zeros
     grid_h = next(columns) if split_heads else zeros
 
-    if (resumable(site) and corrupt.images is None
-            and corrupted_run_bytes(model, corrupt.tokens, site, corrupt.attention_mask) <= memory_budget):
+    if resumed:
         out = resumed_sweep(model, clean_values, corrupt.tokens, corrupt.attention_mask, site, metric, axes[0], axes[1],
                             axes[2] if split_heads else [0], split_heads, memory_budget, chunk_size,
-                            lambda blocks: _progress(blocks, progress, f"patching {site}"), spread)
+                            lambda blocks: _progress(blocks, progress, f"patching {site}"), spread,
+                            shared_prefix(*(host_value(x) for x in (clean.tokens, corrupt.tokens)),
+                                          *(None if m is None else host_value(m)
+                                            for m in (clean.attention_mask, corrupt.attention_mask))),
+                            corrupt_out)
         return device_array(out.reshape(shape + out.shape[2:]))
 
     what = (per_block, pos_axis is not None, split_heads)

@@ -7,7 +7,12 @@ computes only the positions from ``p`` on, against the corrupted run's cached
 keys, values and states (``jstd.Context``). On softmax-attention models two
 such suffixes share one row — the suffix from ``p`` and a shorter one — so
 every row has about ``seq + 1`` tokens and all rows one shape: one compile
-for the whole sweep, the block index traced.
+for the whole sweep, the block index traced. A patch at a position the clean
+and corrupted prompts share (``shared_prefix``: before their first difference
+both runs hold the same values everywhere) or after the one position a metric
+reads changes nothing: such entries get no tokens, only a slot whose metric is
+the corrupted run's. The clean run's values and the corrupted run's caches
+come from one program over both prompts (``both_runs``).
 
 A metric that reads one position (``metrics.PositionMetric``) gets the logits
 at that position alone; any other metric gets the full logits, the prefix's
@@ -24,14 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jstd.core.checks import host_value, trusted
+from jstd.core.checks import host_value, spans_processes, trusted
 from jstd.core.jit import device_array
 from jstd.core.context import Context, as_cached
 from jstd.interventions.chunking import fit
 from jstd.core.edits import Set, site_axes
 from jstd.interventions.metrics import PositionMetric
 from jstd.interventions.reading import read
-from jstd.run import run
+from jstd.run import check_tokens, run
 from jstd.core.sites import SITES
 
 STREAM_SITES = ("layers.layer_input", "layers.layer_output")
@@ -61,17 +66,30 @@ class Rows(NamedTuple):
     offsets: np.ndarray
 
 
-def pack(positions: np.ndarray, heads: np.ndarray, seq: int, pair: bool) -> Rows:
+def pack(positions: np.ndarray, heads: np.ndarray, seq: int, pair: bool, *, end: int | None = None,
+         unchanged: np.ndarray | None = None) -> Rows:
     """Rows holding the suffix of every entry ``(positions[i], heads[i])``: two per row when ``pair``.
 
+    A suffix runs from its entry's position to ``end - 1`` (default ``seq``:
+    the last position; a metric that reads one position needs no later one).
     The longest suffix shares a row with the shortest, and so on; rows are
     padded at the end with tokens at position ``seq - 1`` (each its own
-    segment; they come after every real token, so they change nothing).
+    segment, or the continuation of one that ends at ``seq - 2``; they come
+    after every real token, so they change nothing). The entries marked
+    ``unchanged`` (a patch that cannot change the metric) get no tokens: each
+    is one more slot of some row, its start ``seq``, so its metric is the
+    corrupted run's.
     """
-    order = np.argsort(positions, kind="stable")
+    end = seq if end is None else end
+    unchanged = np.zeros(len(positions), bool) if unchanged is None else np.asarray(unchanged, bool)
+    live = np.flatnonzero(~unchanged)
+    order = live[np.argsort(positions[live], kind="stable")]
     n = len(order)
     groups = [[order[i], order[n - 1 - i]] if pair and i != n - 1 - i else [order[i]] for i in range((n + 1) // 2 if pair else n)]
-    length = max(sum(seq - positions[e] for e in g) for g in groups)
+    groups = groups or [[]]
+    for i, e in enumerate(np.flatnonzero(unchanged)):  # no tokens: spread over the rows as extra slots
+        groups[i % len(groups)].append(e)
+    length = max(1, max(sum(end - positions[e] for e in g if not unchanged[e]) for g in groups))
     slots = max(len(g) for g in groups)
     rows = len(groups)
     pos = np.full((rows, length), seq - 1, np.int32)
@@ -83,13 +101,29 @@ def pack(positions: np.ndarray, heads: np.ndarray, seq: int, pair: bool) -> Rows
     for r, group in enumerate(groups):
         at = 0
         for k, e in enumerate(group):
+            entries[r, k] = e
+            if unchanged[e]:
+                starts[r, k] = seq
+                continue
             p = int(positions[e])
-            pos[r, at:at + seq - p] = np.arange(p, seq)
+            pos[r, at:at + end - p] = np.arange(p, end)
             first[r, at] = True
-            head[r, at:at + seq - p] = heads[e]
-            starts[r, k], entries[r, k], offsets[r, k] = p, e, at
-            at += seq - p
+            head[r, at:at + end - p] = heads[e]
+            starts[r, k], offsets[r, k] = p, at
+            at += end - p
     return Rows(pos, first, head, starts, entries, offsets)
+
+
+def shared_prefix(clean: np.ndarray, corrupt: np.ndarray, clean_mask=None, corrupt_mask=None) -> int:
+    """How many leading positions the clean and corrupted inputs share in every row (tokens ``[batch, seq]`` and
+    padding masks, None: no padding). The model is causal, so every site there holds the same value on both runs
+    and a patch there changes nothing."""
+    same = np.asarray(clean) == np.asarray(corrupt)
+    if clean_mask is not None or corrupt_mask is not None:
+        real = lambda m: np.ones(same.shape, bool) if m is None else np.asarray(m) != 0
+        same &= real(clean_mask) == real(corrupt_mask)
+    differs = np.flatnonzero(~same.all(axis=0))
+    return int(differs[0]) if len(differs) else same.shape[1]
 
 
 def bytes_per_row(model, batch: int, length: int, keys: int) -> int:
@@ -101,7 +135,8 @@ def bytes_per_row(model, batch: int, length: int, keys: int) -> int:
 
 
 def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metric, layers, positions, heads,
-                  split_heads: bool, memory_budget: int, chunk_size: int | None, progress, spread=None) -> np.ndarray:
+                  split_heads: bool, memory_budget: int, chunk_size: int | None, progress, spread=None,
+                  shared: int = 0, corrupt_out=None) -> np.ndarray:
     """The sweep of ``patch_sweep`` through resumed runs: ``[layers, positions x heads, *metric]``.
 
     ``clean_values``: the clean run's value of ``site`` (stacked over blocks);
@@ -109,15 +144,23 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     False: all heads together); ``chunk_size``: rows per chunk (default: as
     many as fit ``memory_budget``, ``chunking.fit`` from the guess of
     ``bytes_per_row``); ``progress`` wraps the iterable of blocks; ``spread``
-    (``patching.Spread``) places each chunk's rows, split over a mesh axis.
+    (``patching.Spread``) places each chunk's rows, split over a mesh axis;
+    ``shared``: the leading positions the clean and corrupted inputs share
+    (``shared_prefix``); ``corrupt_out``: ``corrupted_run``'s outputs when the
+    caller has them (``both_runs``). Entries whose patch cannot change the metric — at a
+    shared position, or after the position a ``PositionMetric`` reads — are
+    the corrupted run's metric and cost no tokens.
     """
     seq = corrupt.shape[1]
-    corrupt_out = corrupted_run(model, corrupt, site, attention_mask)
+    if corrupt_out is None:
+        corrupt_out = corrupted_run(model, corrupt, site, attention_mask)
 
     entry_p = np.repeat(np.asarray(positions, np.int32), len(heads))
     entry_h = np.tile(np.asarray(heads, np.int32), len(positions))
     entry_p = np.where(entry_p < 0, entry_p + seq, entry_p)
-    rows = pack(entry_p, entry_h, seq, pair=not model.layers_with("linear_attn"))
+    end = metric.position % seq + 1 if isinstance(metric, PositionMetric) else seq
+    rows = pack(entry_p, entry_h, seq, pair=not model.layers_with("linear_attn"), end=end,
+                unchanged=(entry_p < shared) | (entry_p >= end))
     n_rows, length = rows.positions.shape
     keys = length + (as_cached(corrupt_out[Context.sites_for(model)[0]]).shape[3] if model.layers_with("self_attn") else 0)
     place = (lambda a, size: device_array(a)) if spread is None else spread.place
@@ -146,17 +189,67 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     return np.stack(out)
 
 
+def both_runs(model, clean, corrupt, site: str, memory_budget: int) -> tuple | None:
+    """``(clean_values, corrupt_out)``: the clean run's ``site`` (stacked over blocks) and ``corrupted_run``'s
+    outputs, from one compiled run over both batches side by side (``jstd.Inputs`` of tokens, images None), so a
+    sweep compiles one forward, not two; each row runs alone, so the values are each run's own. None when the
+    corrupted run's outputs alone pass ``memory_budget`` bytes (``corrupted_run_bytes``; the program is traced
+    once for that figure and the run). Inputs spread over several processes run apart (``corrupt_out`` None:
+    ``resumed_sweep`` reads it)."""
+    inputs = [x for pair in (clean, corrupt) for x in (pair.tokens, pair.attention_mask) if x is not None]
+    if any(spans_processes(x) for x in inputs):
+        if corrupted_run_bytes(model, corrupt.tokens, site, corrupt.attention_mask) > memory_budget:
+            return None
+        return read(model, clean, (site,), ())[site], None
+    tokens = [host_value(x.tokens) for x in (clean, corrupt)]
+    mask = None
+    if clean.attention_mask is not None or corrupt.attention_mask is not None:
+        mask = device_array(np.concatenate([
+            np.ones(t.shape, np.int32) if x.attention_mask is None else host_value(x.attention_mask)
+            for t, x in zip(tokens, (clean, corrupt))]).astype(np.int32))
+    tokens = device_array(check_tokens(np.concatenate(tokens), model.config.vocab_size))  # checked: trusted below
+    program = lambda: _both_runs(model, tokens, mask, site, len(tokens) // 2)
+    with trusted():
+        if nbytes(jax.eval_shape(program)[1]) > memory_budget:  # (corrupted_run_bytes; the trace is reused)
+            return None
+        return program()
+
+
+@eqx.filter_jit
+def _both_runs(model, tokens, mask, site: str, batch: int):
+    """``both_runs``' program: one run over ``[clean; corrupt]`` (``batch`` rows each), its reads split in two."""
+    corrupted = corrupted_sites(model, site)
+    out = run(model, tokens, reads=tuple(sorted({site, *corrupted})), attention_mask=mask)
+
+    def half(name, second):
+        axis = SITES[name].layout.index("batch") + SITES[name].per_block
+        return jax.lax.slice_in_dim(out[name], batch if second else 0, 2 * batch if second else batch, axis=axis)
+
+    return half(site, False), {name: half(name, True) for name in corrupted}
+
+
+def corrupted_sites(model, site: str) -> tuple[str, ...]:
+    """The sites ``corrupted_run`` reads."""
+    return Context.sites_for(model) + (_stream_site(site), "final_norm_output")
+
+
 def corrupted_run_bytes(model, corrupt, site: str, attention_mask=None) -> int:
-    """The bytes ``corrupted_run`` keeps (from its shapes; nothing runs): on DeltaNet models the state at every
-    position dominates, ``key_dim · value_dim`` floats per head, block and token."""
+    """The bytes of the sites ``corrupted_run`` reads, what a resumed sweep keeps (from its shapes; nothing runs):
+    on DeltaNet models the state at every position dominates, ``key_dim · value_dim`` floats per head, block and
+    token."""
     out = jax.eval_shape(lambda: corrupted_run(model, corrupt, site, attention_mask))
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(out))
+    return nbytes([out[name] for name in corrupted_sites(model, site)])
+
+
+def nbytes(tree) -> int:
+    """The bytes of every array (or shape) in ``tree``."""
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def corrupted_run(model, corrupt, site: str, attention_mask=None):
     """What the resumed runs of a sweep at ``site`` continue: the corrupted run's cached keys, values and states
     (``Context.sites_for``), the stream at ``site``'s block and the final norm's output."""
-    return read(model, corrupt, Context.sites_for(model) + (_stream_site(site), "final_norm_output"), (), attention_mask)
+    return read(model, corrupt, corrupted_sites(model, site), (), attention_mask)
 
 
 @eqx.filter_jit
