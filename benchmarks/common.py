@@ -260,6 +260,61 @@ def rss_gib() -> tuple[float, float]:
     return tuple(int(fields[k].split()[0]) / 2 ** 20 for k in ("VmRSS", "VmHWM"))
 
 
+def streamed_checkpoint(config, folder, seed=0):
+    """``checkpoint`` for models near the machine's memory: the same file ``reference.checkpoints.make_checkpoint``
+    writes (the same tensors, names and values: ``randomize``'s generator drawn in the same order), written tensor
+    by tensor from a model built on the meta device, so the process holds one tensor at a time (2 GiB for
+    gpt-oss-20b's fused experts) instead of the model and ``randomize``'s copies of its largest tensor. Written
+    once: a folder holding a config.json is returned as it is. Only for families whose ``save_pretrained`` writes
+    the parameters under their own names (gpt-oss: checked equal at tiny sizes); transformers saves DeepSeek's and
+    other fused experts per expert, the hub's spelling, which this does not."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    torch.manual_seed(seed)
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    params = [(name, tuple(p.shape)) for name, p in model.named_parameters() if name not in tied]
+    buffers = set(model.state_dict()) - {name for name, _ in params} - tied
+    if buffers:  # their values are the model's own init, which a meta model has not
+        raise ValueError(f"streamed_checkpoint writes parameters only; {sorted(buffers)} are persistent buffers: "
+                         "use checkpoint()")
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in params:
+        size = math.prod(shape) * 4
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / "model.safetensors.partial"
+    g = torch.Generator().manual_seed(seed)
+    with open(partial, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for name, shape in params:  # randomize's values, in its order
+            noise = torch.randn(shape, generator=g, dtype=torch.float32)
+            if len(shape) >= 2:
+                noise.mul_(1.0 if "embed" in name else 1.0 / math.sqrt(shape[-1]))
+            elif "norm" in name or "layernorm" in name:
+                noise.mul_(0.1).add_(1.0)
+            else:
+                noise.mul_(0.1)
+            f.write(memoryview(noise.numpy()).cast("B"))
+            del noise
+    partial.rename(folder / "model.safetensors")
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it
+    GenerationConfig.from_model_config(model.config).save_pretrained(folder)
+    model.config.save_pretrained(folder)  # last: its config.json marks the folder complete
+    return folder
+
+
 def compile_time(skeleton, inputs) -> float:
     """Trace + compile time of jit(run) on ``skeleton`` (shapes only, no weights) and ``inputs`` (made of
     ``jax.ShapeDtypeStruct``)."""

@@ -7,18 +7,20 @@ default experts implementation and with its eager experts loop. The issue's figu
     python benchmarks/gpt_oss.py [--repeats 7]
 
 The checkpoint (about 11 GB in float32: the 2 blocks' experts and the untied 201088-row embedding and head) is
-written once under ``common.WORK``. Both frameworks run on one copy of the weights where their layouts agree
-(``common.share_weights``: transformers reads jstd's buffers for the embedding, experts and norms; each keeps
-its own transposed projections and head), and one transformers model serves both experts implementations (switched before each
-call), so the process holds about 16 GiB at these shapes instead of 33 (two transformers models and jstd's).
+written once under ``common.WORK`` (``common.streamed_checkpoint``: a tensor at a time). Both frameworks run on one
+copy of the weights where their layouts agree (``common.share_weights``: transformers reads jstd's buffers for the
+embedding, the down experts, norms and biases; each keeps its own transposed projections and head, and transformers
+its interleaved gate/up experts, which jstd splits), and one transformers model serves both experts
+implementations (switched before each call): the process holds about 17 GiB of weights instead of 31 (two
+transformers models and jstd's).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from common import WORK, checkpoint, compare, forward_rows, print_table, repeats_parser, rss_gib, \
-    share_weights, time_interleaved, torch_call, versions
+from common import WORK, compare, forward_rows, print_table, repeats_parser, rss_gib, \
+    share_weights, streamed_checkpoint, time_interleaved, torch_call, versions
 
 BATCH, SEQ = 4, 128
 STATES = ("layers.layer_output", "layers.self_attn.sink_probability", "layers.mlp.expert_indices")
@@ -47,7 +49,8 @@ def main():
     import jstd
     from common import jstd_call
 
-    folder = checkpoint(gpt_oss_20b(size=size), WORK / ("gpt_oss-tiny" if args.tiny else "gpt_oss-20b-2blocks"))
+    name = "gpt_oss-tiny" if args.tiny else "gpt_oss-20b-2blocks"
+    folder = streamed_checkpoint(gpt_oss_20b(size=size), WORK / name)
     tokens = np.random.default_rng(0).integers(0, size["vocab_size"], (BATCH, SEQ))
     ids = torch.as_tensor(tokens)
     model = jstd.load(folder)
