@@ -4,7 +4,7 @@ SwiGLU; vocab 201088) cut to 2 blocks, batch 4 x 128 tokens, float32, random wei
 ``GptOssForCausalLM`` (eager attention: transformers has no sdpa path with sinks) in the same process, with its
 default experts implementation and with its eager experts loop. The issue's figure: jstd >= 1.5x transformers.
 
-    python benchmarks/gpt_oss.py [--repeats 7]
+    python benchmarks/gpt_oss.py [--repeats 7] [--tiny] [--check]
 
 The checkpoint (about 11 GB in float32: the 2 blocks' experts and the untied 201088-row embedding and head) is
 written once under ``common.WORK`` (``common.streamed_checkpoint``: a tensor at a time). Both frameworks run on one
@@ -41,7 +41,9 @@ def gpt_oss_20b(layers: int = 2, size=SIZE):
 
 
 def main():
-    args = repeats_parser(tiny="tiny sizes (a check that the script runs; no figure)").parse_args()
+    args = repeats_parser(tiny="tiny sizes (a check that the script runs; no figure)",
+                          check="one forward of each, their logits compared and the process's memory; no timing"
+                          ).parse_args()
     size = TINY if args.tiny else SIZE
     import torch
     from transformers import AutoModelForCausalLM
@@ -58,6 +60,14 @@ def main():
     default = ref.config._experts_implementation
     shared, own = share_weights(model, ref, folder)
     jstd_forward = jstd_call(model, tokens)
+    if args.check:
+        want = experts(ref, default, ids)().numpy()
+        got = np.asarray(jstd_forward(()).logits)
+        now, peak = rss_gib()
+        print(f"logits max rel. diff {np.abs(got - want).max() / np.abs(want).max():.1e}; resident {now:.2f} GiB, "
+              f"peak {peak:.2f} GiB; transformers' weights {(shared + own) / 2 ** 30:.2f} GiB, "
+              f"{shared / 2 ** 30:.2f} of them jstd's buffers")
+        return
     t = compare(experts(ref, default, ids), jstd_forward, STATES, args.repeats)
     both = time_interleaved({"eager": experts(ref, "eager", ids), "jstd": lambda: jstd_forward(())}, args.repeats)
     now, peak = rss_gib()
