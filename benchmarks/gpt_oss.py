@@ -11,8 +11,9 @@ written once under ``common.WORK`` (``common.streamed_checkpoint``: a tensor at 
 copy of the weights where their layouts agree (``common.share_weights``: transformers reads jstd's buffers for the
 embedding, the down experts, norms and biases; each keeps its own transposed projections and head, and transformers
 its interleaved gate/up experts, which jstd splits), and one transformers model serves both experts
-implementations (switched before each call): the process holds about 17 GiB of weights instead of 31 (two
-transformers models and jstd's).
+implementations (switched before each call): the process holds 16.75 GiB of weights instead of 31 (two
+transformers models and jstd's), about 20 GiB in all with the runs: a quiet 24 GiB machine (docs/benchmarks.md).
+``--check`` runs one forward of each (their logits compared) and prints the memory, without timing.
 """
 
 from __future__ import annotations
