@@ -4,6 +4,7 @@ the text forward benchmark (olmo_hybrid.py, qwen3_5.py)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -211,6 +212,107 @@ def checkpoint(config, folder, seed=0):
     if not (Path(folder) / "config.json").exists():
         make_checkpoint(config, folder, seed=seed)
     return Path(folder)
+
+
+def share_weights(model, torch_model, folder) -> tuple[int, int]:
+    """Make ``torch_model`` (transformers' model of the checkpoint ``folder``) use ``model``'s (``jstd.load`` of
+    it, on the CPU) memory wherever jstd's slot holds the stored tensor in the stored order (the name map's
+    transform a C-ordered view of the whole tensor: embeddings, fused experts, norms, biases; a one-block stack of
+    them): each such torch parameter becomes a view of the jstd buffer, and transformers' own copy of it (a
+    private map of the safetensors file) is dropped. The other tensors (transposed projections, a head stored
+    [vocab, hidden]) stay each framework's own. Both then run the same weights without holding two copies of the
+    large ones, so a float32 benchmark at published sizes fits the machine; what each framework computes is
+    unchanged. ``model`` must outlive ``torch_model``'s use (torch reads its buffers; neither writes them).
+    Returns ``(shared_bytes, own_bytes)``: the bytes torch now reads from jstd's buffers, and those it keeps."""
+    import warnings
+
+    import numpy as np
+    import torch
+
+    from jstd.io.hf import plan
+    from jstd.nn.namemap import at_path
+
+    _, _, _, _, _, entries = plan(Path(folder), "float32")
+    params = dict(torch_model.named_parameters())
+    shared = 0
+    for e in entries:
+        single = not e.stacked or len(e.blocks) == 1
+        keys = [k.format(i=e.blocks[0]) if e.stacked else k for k in e.keys]
+        param = params.get(keys[0]) if single and len(keys) == 1 else None
+        if param is None or not param.is_contiguous():
+            continue
+        stored = param.detach().numpy()
+        mapped = e.transform(stored)
+        host = np.asarray(at_path(model, e.path))  # the CPU buffer itself, read-only
+        if mapped.size == host.size and mapped.dtype == host.dtype and mapped.flags.c_contiguous \
+                and mapped.ctypes.data == stored.ctypes.data:
+            with warnings.catch_warnings():  # torch warns that the array is read-only: neither framework writes it
+                warnings.simplefilter("ignore", UserWarning)
+                param.data = torch.from_numpy(host).view(param.shape)
+            shared += host.nbytes
+    total = sum(p.nbytes for p in torch_model.parameters())
+    return shared, total - shared
+
+
+def rss_gib() -> tuple[float, float]:
+    """This process's resident memory now and at its peak (``VmHWM``), GiB."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return tuple(int(fields[k].split()[0]) / 2 ** 20 for k in ("VmRSS", "VmHWM"))
+
+
+def streamed_checkpoint(config, folder, seed=0):
+    """``checkpoint`` for models near the machine's memory: the same file ``reference.checkpoints.make_checkpoint``
+    writes (the same tensors, names and values: ``randomize``'s generator drawn in the same order), written tensor
+    by tensor from a model built on the meta device, so the process holds one tensor at a time (2 GiB for
+    gpt-oss-20b's fused experts) instead of the model and ``randomize``'s copies of its largest tensor. Written
+    once: a folder holding a config.json is returned as it is. Only for families whose ``save_pretrained`` writes
+    the parameters under their own names (gpt-oss: checked equal at tiny sizes); transformers saves DeepSeek's and
+    other fused experts per expert, the hub's spelling, which this does not."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    torch.manual_seed(seed)
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    params = [(name, tuple(p.shape)) for name, p in model.named_parameters() if name not in tied]
+    buffers = set(model.state_dict()) - {name for name, _ in params} - tied
+    if buffers:  # their values are the model's own init, which a meta model has not
+        raise ValueError(f"streamed_checkpoint writes parameters only; {sorted(buffers)} are persistent buffers: "
+                         "use checkpoint()")
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in params:
+        size = math.prod(shape) * 4
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / "model.safetensors.partial"
+    g = torch.Generator().manual_seed(seed)
+    with open(partial, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for name, shape in params:  # randomize's values, in its order
+            noise = torch.randn(shape, generator=g, dtype=torch.float32)
+            if len(shape) >= 2:
+                noise.mul_(1.0 if "embed" in name else 1.0 / math.sqrt(shape[-1]))
+            elif "norm" in name or "layernorm" in name:
+                noise.mul_(0.1).add_(1.0)
+            else:
+                noise.mul_(0.1)
+            f.write(memoryview(noise.numpy()).cast("B"))
+            del noise
+    partial.rename(folder / "model.safetensors")
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it
+    GenerationConfig.from_model_config(model.config).save_pretrained(folder)
+    model.config.save_pretrained(folder)  # last: its config.json marks the folder complete
+    return folder
 
 
 def compile_time(skeleton, inputs) -> float:

@@ -21,7 +21,7 @@ import test_conformance_edits as edits
 import test_convert as convert
 import test_generate as generate
 import test_moe
-from test_gpt_oss import assert_generation_equals_transformers
+from test_gpt_oss import assert_aot_preset_is_published, assert_generation_equals_transformers
 from conftest import assert_close
 from reference.cases import assert_sites_close, jit_run
 from reference.harness import TorchEdit
@@ -192,6 +192,11 @@ def _config(folder, published: dict):
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(published))
     return AutoConfig.from_pretrained(folder)
+
+
+def test_aot_preset_is_the_published_config():
+    """The ``deepseek-v2-lite`` preset is DeepSeek-V2-Lite's config.json at its 27 blocks."""
+    assert_aot_preset_is_published("deepseek-v2-lite", LITE, 27)
 
 
 def test_published_configs_are_read_whole_and_fp8_is_refused(tmp_path):

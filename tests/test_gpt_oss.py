@@ -142,6 +142,27 @@ def test_published_config_is_read_whole_and_mxfp4_is_refused(tmp_path):
         family.skeleton(AutoConfig.from_pretrained(tmp_path / "q"), jnp.float32)
 
 
+def assert_aot_preset_is_published(preset: str, published: dict, blocks: int):
+    """``jstd.aot``'s preset ``preset`` (what ``jstd aot`` compiles for docs/scale.md) has ``blocks`` blocks and, cut
+    to ``published``'s, builds the model ``published`` (a hub config.json, any quantization_config dropped) does:
+    the same standard config and parameter shapes."""
+    from jstd.aot import config
+    from jstd.families import family_for
+
+    assert config(preset).num_hidden_layers == blocks
+    hub = config({k: v for k, v in published.items() if k != "quantization_config"})
+    mine = config(preset, blocks=published["num_hidden_layers"])
+    family = family_for(hub.model_type)
+    a, b = (family.skeleton(c, jnp.float32) for c in (mine, hub))
+    assert a.config == b.config
+    assert jax.tree.map(lambda x: x.shape, a) == jax.tree.map(lambda x: x.shape, b)
+
+
+def test_aot_preset_is_the_published_config():
+    """The ``gpt-oss-20b`` preset is gpt-oss-20b's config.json at its 24 blocks."""
+    assert_aot_preset_is_published("gpt-oss-20b", PUBLISHED_20B, 24)
+
+
 def test_convert_and_export_round_trip(zoo, tmp_path):
     """Convert and export give back every tensor bit for bit (the interleaved gate/up columns re-interleaved);
     transformers loads the export with the original's logits."""

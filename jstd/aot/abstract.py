@@ -50,6 +50,29 @@ PRESETS = {
         text_config=dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
                          max_position_embeddings=4096, rms_norm_eps=1e-5, pad_token_id=0)),
+    # openai/gpt-oss-20b without its quantization_config (a dequantised copy: the hub's experts are MXFP4): 24
+    # blocks alternating sliding (128) and full attention with sinks, 32 experts top-4
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, experts_per_token=4,
+        vocab_size=201088, max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True,
+        sliding_window=128, swiglu_limit=7.0, initial_context_length=4096, router_aux_loss_coef=0.9,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                             original_max_position_embeddings=4096, truncate=False),
+        layer_types=["sliding_attention", "full_attention"], eos_token_id=200002, pad_token_id=199999,
+        tie_word_embeddings=False, dtype="bfloat16"),
+    # deepseek-ai/DeepSeek-V2-Lite: 27 blocks (the first dense), multi-head latent attention (kv_lora_rank 512, no
+    # query compression), 64 routed experts top-6 with 2 shared
+    "deepseek-v2-lite": dict(
+        model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, first_k_dense_replace=1, moe_layer_freq=1, num_attention_heads=16,
+        num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
+        topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0, scoring_func="softmax",
+        vocab_size=102400, max_position_embeddings=163840, rms_norm_eps=1e-6, attention_bias=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, beta_fast=32.0, beta_slow=1.0,
+                             mscale=0.707, mscale_all_dim=0.707, original_max_position_embeddings=4096),
+        bos_token_id=100000, eos_token_id=100001, tie_word_embeddings=False, dtype="bfloat16"),
 }
 
 

@@ -10,8 +10,8 @@ import sys
 def add_arguments(sub) -> None:
     p = sub.add_parser("aot", help="compile for a TPU topology or described GPUs, no device needed; does it fit?",
                        description=__doc__)
-    p.add_argument("model", help="a preset (llama-3.1-8b, qwen3.5-4b, llava-1.5-7b), a config.json or a checkpoint "
-                                 "folder (only its config.json is read)")
+    p.add_argument("model", help="a preset (llama-3.1-8b, qwen3.5-4b, llava-1.5-7b, gpt-oss-20b, deepseek-v2-lite), "
+                                 "a config.json or a checkpoint folder (only its config.json is read)")
     p.add_argument("--target", default="v5e:16x16", help="a TPU topology (v5e:16x16, v5p:4x4x4, v6e:8x8) or GPUs "
                                                          "(8xh200); default v5e:16x16")
     p.add_argument("--layout", default="FSDP_TP", help="DP, FSDP, TP or FSDP_TP (default)")
