@@ -31,7 +31,7 @@ import numpy as np
 
 from jstd.circuits.graph import Graph, SparseAdjacency
 from jstd.circuits.replacement import prompt_values, source_columns, target_gradients
-from jstd.circuits.sharding import batch_for, place, place_sources, place_targets
+from jstd.circuits.sharding import Sources, batch_for, place, place_sources, place_targets
 from jstd.circuits.transcoders import Transcoders
 
 ZERO_POSITIONS = 1  # the BOS position carries no feature or error node
@@ -325,7 +325,7 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
                                                     tokenizer, vocab)
     k = len(t_ids)
     enc = lambda layer, feature: np.asarray(tc.W_enc[layer, feature], np.float32)  # the rows alone to the host
-    U, E, T = place_sources(mesh, tuple(jnp.asarray(u) for u in src.U), errors, token_vectors)
+    placed = place_sources(mesh, Sources(tuple(jnp.asarray(u) for u in src.U), errors, token_vectors))
     columns = jnp.asarray(src.columns)
     # the prompt's own columns among source_columns' [A | L·N | N]
     A = src.columns.shape[0]
@@ -362,7 +362,7 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
             # a feature target of block l reads nothing from block l's MLP output or later ones
             reach = int(layers[s:s + m].max())
             reach = reach if reach < L else None
-            c = source_columns(g_y, g_e, U, E, T, columns, reach=reach)
+            c = source_columns(g_y, g_e, placed.vectors, placed.errors, placed.tokens, columns, reach=reach)
             out.append((m, c if edges_per_row is None else top_edges(c, min(edges_per_row, c.shape[1]))))
         back = np.argsort(order)
         if edges_per_row is None:

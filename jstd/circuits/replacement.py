@@ -1,6 +1,6 @@
 """The local replacement model of a prompt, and the batched derivatives that give an attribution graph its edges.
 
-The model runs once on the prompt (``prompt_values``). Its *linearisation* (``direct_effects``) is the same
+The model runs once on the prompt (``prompt_values``). Its *linearisation* (``linearised``) is the same
 forward with every norm's ``1 / rms`` and every attention pattern held (``jstd.nn.frozen``) and each block's MLP
 output ``y_l`` held except for the transcoders' skip path:
 
@@ -11,11 +11,12 @@ at the token embeddings) follows only residual additions, attention's value/outp
 patterns, the held norms' diagonals and the skips: circuit-tracer's "direct effect". The freezing lives in the
 layers and in two edits at the transcoders' sites, so it works on any family built from ``jstd.nn``'s layers.
 
-``direct_effects`` takes a batch of targets — an input vector ``v`` read at block ``l``'s transcoder input at
+``target_gradients`` takes a batch of targets — an input vector ``v`` read at block ``l``'s transcoder input at
 position ``p`` (a feature's encoder row), or at the final norm's output at the last position (``l = L``: a
-logit's demeaned unembedding) — and returns, for each, ``⟨∂⟨v, x⟩/∂y_{l',p'}, u⟩`` for every source vector ``u``
-placed at ``(l', p')`` and ``⟨∂⟨v, x⟩/∂embedding_p, e_p⟩`` for the tokens: one compiled program (a ``vmap`` over
-the cotangents of one ``jax.vjp``) per batch shape, reused for every batch.
+logit's demeaned unembedding) — and returns, for each, ``∂⟨v, x⟩/∂y_{l',p'}`` and ``∂⟨v, x⟩/∂embedding_p``: one
+compiled program (a ``vmap`` over the cotangents of one ``jax.vjp``) per batch shape, depth and length, reused
+for every batch. ``source_columns`` contracts them on the device with every source vector ``u`` placed at
+``(l', p')`` (``⟨∂⟨v, x⟩/∂y_{l',p'}, u⟩``), the errors and the token embeddings: the batch's rows.
 """
 
 from __future__ import annotations
@@ -132,22 +133,6 @@ def gradients(model, tokens, tc: Transcoders, layers, positions, vectors, depth:
         jnp.where(feature[:, None], 0, vectors).astype(final.dtype))
     (g_y, g_e), = jax.vmap(pullback)((ct_x, ct_f))
     return g_y[:, :, 0], g_e[:, 0]
-
-
-@functools.partial(jax.jit, static_argnames="depth")
-def direct_effects(model, tokens, tc: Transcoders, layers, positions, vectors, sources, errors, token_vectors,
-                   depth: int | None = None):
-    """The rows of a batch of targets (``gradients``' arguments) against every source: ``(features [B, D, seq,
-    K], errors [B, D, seq], tokens [B, seq])`` where ``sources [L, seq, K, d]`` holds the (activation-scaled)
-    vectors the sources write at each block and position (zeros where fewer than K write), ``errors [L, seq, d]``
-    the error vectors and ``token_vectors [seq, d]`` the token embeddings; ``D = depth`` (static; None: L) blocks
-    (sources at later blocks have no direct effect on targets before ``D``)."""
-    g_y, g_e = gradients(model, tokens, tc, layers, positions, vectors, depth)
-    D = g_y.shape[1]
-    prec = jax.lax.Precision.HIGHEST
-    return (jnp.einsum("blpd,lpkd->blpk", g_y, sources[:D], precision=prec),
-            jnp.einsum("blpd,lpd->blp", g_y, errors[:D], precision=prec),
-            jnp.einsum("bpd,pd->bp", g_e, token_vectors, precision=prec))
 
 
 @functools.partial(jax.jit, static_argnames="depth")
