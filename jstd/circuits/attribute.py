@@ -346,8 +346,9 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
         ``edges_per_row``: ``(values [m, e], columns [m, e], Σ|row| [m])``, each row's top edges by magnitude.
 
         The targets go by block, and within a block by position, ascending in even blocks and descending in odd
-        ones, cut every ``batch_size`` rows: only the last batch is padded, and a batch that straddles two blocks
-        meets them where their positions are alike (both late, or both early)."""
+        ones, cut every ``batch_size`` rows: only the last batch is padded (with many batches, to a power of two),
+        and a batch that straddles two blocks meets them where their positions are alike (both late, or both
+        early)."""
         out = []
         order = np.lexsort((np.where(layers % 2 == 1, -positions, positions), layers))
         layers, positions, vectors = layers[order], positions[order], vectors[order]
@@ -355,7 +356,9 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
             m = min(batch_size, len(layers) - s)
             depth = min(int(layers[s:s + m].max()) + 1, L) if by_depth else L
             P = next(P for P in lengths if P > int(positions[s:s + m].max()))
-            pad = lambda a: np.concatenate([a[s:s + m], np.zeros((batch_size - m,) + a.shape[1:], a.dtype)])
+            # a short last batch (the logits) of a graph with many batches: padded to a power of two, not batch_size
+            size = batch_for(min(batch_size, max(8, 1 << (m - 1).bit_length())), mesh) if by_depth else batch_size
+            pad = lambda a: np.concatenate([a[s:s + m], np.zeros((size - m,) + a.shape[1:], a.dtype)])
             g_y, g_e = target_gradients(model, tokens[:, :P], tc, *place_targets(
                 mesh, pad(layers).astype(np.int32), pad(positions).astype(np.int32), pad(vectors)),
                 held[:, :, :P], depth=depth)
