@@ -19,6 +19,12 @@ sizes, and its 16 prompts one after another), measured by time_attribution.py on
     .venv-ct/bin/python scripts/circuit_tracer/time_attribution.py /tmp/bench --n-prompts 16
     python benchmarks/attribution.py --case /tmp/bench/bench_llama4x256_clt1024
 
+``--flops`` prints instead the work of the batched programs one graph runs, from XLA's cost analysis of each compiled
+program times its calls (the backward's scan over blocks is counted once by the analysis, so its figure is
+multiplied by the program's depth), beside the minimal count of the local replacement model's products: each row
+backpropagated through the attention value/output maps of the blocks up to its own and the positions up to its
+own, and contracted with the sources at those blocks and positions. Counts, not timings: run it anywhere.
+
 Without ``--case`` it builds a case of the same shape itself (random weights; no circuit-tracer figure):
 ``python benchmarks/attribution.py [--tiny]`` (``--tiny``: 2 blocks, 64 wide, a smoke run).
 """
@@ -66,6 +72,59 @@ def build_case(folder: Path, tiny: bool, n_prompts: int) -> dict:
     return {"prompt_ids_given": prompts[0][1:], "benchmark": {"prompts_given": [p[1:] for p in prompts]}}
 
 
+def flops(model, prompt, tc, batch_size: int) -> list[tuple[str, str, str]]:
+    """The rows of ``--flops`` (module docstring): GFLOP of the batched programs of one graph, and the minimum."""
+    import collections
+    import sys
+
+    import jax.numpy as jnp
+
+    from jstd.circuits import attribute
+    from jstd.circuits.replacement import prompt_values
+
+    module = sys.modules["jstd.circuits.attribute"]  # the module (jstd.circuits.attribute: the function)
+    calls, lowered = collections.Counter(), {}
+    inner = {name: getattr(module, name) for name in ("target_gradients", "source_columns")}
+
+    def spy(name, *args, **kw):
+        key = (name, tuple(np.shape(a) for a in args[:6] if hasattr(a, "shape")), tuple(sorted(kw.items())))
+        calls[key] += 1
+        lowered.setdefault(key, lambda: inner[name].lower(*args, **kw))
+        return inner[name](*args, **kw)
+
+    for name in inner:
+        setattr(module, name, lambda *a, _n=name, **kw: spy(_n, *a, **kw))
+    try:
+        graph = attribute(model, prompt, tc, batch_size=batch_size)
+    finally:
+        for name, fn in inner.items():
+            setattr(module, name, fn)
+    total = collections.Counter()
+    for key, count in calls.items():
+        cost = lowered[key]().compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        depth = dict(key[2]).get("depth") or tc.num_layers
+        total[key[0]] += cost.get("flops", 0.0) * count * (depth if key[0] == "target_gradients" else 1)
+    # the minimum: per row, per block up to its own and position up to its own, the value/output maps (and the
+    # mixing by the held pattern); then the contraction with the sources written at those blocks and positions
+    c = model.config
+    ids = jnp.asarray(np.asarray(prompt)[None], jnp.int32)
+    x = prompt_values(model, ids, tc.input_site, tc.output_site)["x"][:, 0].astype(jnp.float32)
+    layer, pos, _ = np.nonzero(np.asarray(tc.encode(x))[:, 1:])
+    pos = pos + 1
+    heads, kv, hd, d = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+    per_position = 2 * d * hd * (heads + kv)
+    backward = sum((l + 1) * ((p + 1) * per_position + 2 * heads * hd * (p + 1) * (p + 2) / 2)
+                   for l, p in zip(layer, pos))
+    writers = [np.bincount(pos[layer <= m], minlength=len(prompt)) for m in range(tc.num_layers)]
+    contraction = sum(2 * d * sum(writers[m][:p + 1].sum() for m in range(l)) for l, p in zip(layer, pos))
+    g = lambda f: f"{f / 1e9:.2f}"
+    return [("batched backward (target_gradients)", g(total["target_gradients"]), f"{graph.n_features} rows"),
+            ("contraction with the sources (source_columns)", g(total["source_columns"]), ""),
+            ("minimal backward", g(backward), "value/output maps to each row's block and position"),
+            ("minimal contraction", g(contraction), "sources at each row's blocks and positions")]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", default=None, help="time_attribution.py's case folder (bench_llama4x256_clt1024)")
@@ -73,6 +132,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--n-prompts", type=int, default=16)
     ap.add_argument("--tiny", action="store_true", help="without --case: a 2-block, 64-wide smoke case")
+    ap.add_argument("--flops", action="store_true", help="print the programs' GFLOP (cost analysis), no timing")
     args = ap.parse_args()
 
     import jax
@@ -93,6 +153,12 @@ def main():
     bos = [1]
     prompt = np.asarray(bos + case["prompt_ids_given"])
     prompts = [np.asarray(bos + p) for p in case["benchmark"]["prompts_given"][:args.n_prompts]]
+
+    if args.flops:
+        print("| program | GFLOP | detail |\n| --- | --- | --- |")
+        for r in flops(model, prompt, tc, args.batch_sizes[0]):
+            print(f"| {r[0]} | {r[1]} | {r[2]} |")
+        return
 
     def timed(fn):
         t0 = time.perf_counter()

@@ -224,15 +224,16 @@ def test_whole_weight_gathers_are_found_on_h200(aot, h200):
 
 
 def test_attribution_batch_compiles_and_fits_on_v5e(aot, v5e):
-    """jstd.attribute's per-batch program (direct effects of a batch of targets) through a cross-layer transcoder,
-    placed by FSDP_TP: the targets split over data, the transcoders and the sources split with the model, resident
-    (their bytes in the arguments), no weight gathered whole."""
-    shape = dict(batch=8, seq=16, features=512, active=8)  # slots: 8 active x 2 blocks -> 16
+    """jstd.attribute's per-batch programs (the batched backward of a batch of targets, and its contraction with
+    the sources) through a cross-layer transcoder, placed by FSDP_TP: the targets split over data, the transcoders
+    and the sources split with the model, resident (their bytes in the arguments), no weight gathered whole."""
+    shape = dict(batch=8, seq=16, features=512, active=8)  # slots: 8 active x 1 and 2 blocks -> 8 and 16
     report = aot.check(aot.compile(SMALL, v5e, program_name="attribute", layout="FSDP_TP", model_axis=2, **shape))
     model = 2 * (2 * 4096 * 1024 + 2 * (3 * 1024 * 1024 + 3 * 1024 * 4096))  # bf16: embed, unembed, q k v o, MLP
     clt = 2 * (2 * 512 * 1024 + 3 * 512 * 1024 + 2 * 512 + 2 * 1024)  # encoders, decoders to 1 + 2 blocks, biases
-    sources = 4 * (2 * 16 * 16 * 1024 + 2 * 16 * 1024 + 16 * 1024)  # float32 vectors, errors, token embeddings
-    assert (model + clt + sources) / 4 <= report.argument_bytes < (model + clt + sources) / 3  # split, and held
+    sources = 4 * (16 * (8 + 16) * 1024 + 2 * 16 * 1024 + 16 * 1024)  # float32 vectors, errors, token embeddings
+    held = 2 * 2 * 16 * 1024 + 4 * 8 * 2 * 16 * 2  # the MLP outputs (bf16), each feature's columns: replicated
+    assert (model + clt + sources) / 4 + held <= report.argument_bytes < (model + clt + sources) / 3 + held
     assert report.whole_gathers == [] and report.flops > 0
     with pytest.raises(ValueError, match="unknown program 'atribute'"):
         aot.compile(SMALL, v5e, program_name="atribute")

@@ -391,16 +391,29 @@ def test_free_interventions_reuse_the_splice():
         intervene(model, tokens, tc, [(0, 0, 0, 0.0)])
 
 
-def test_programs_that_skip_blocks_and_positions_give_the_same_graph():
+def test_programs_that_skip_blocks_and_positions_give_the_same_graph(monkeypatch):
     """With more active features than 4 batches, a batch of features read before block D runs only the first D
     blocks (Stack.first, here on Gemma 2's alternating sliding and global blocks: a period of two) and the first P
-    positions its targets need (prompts of 16 or more): the graph is the one program's."""
+    positions its targets need (prompts of 16 or more), batches straddling two blocks included: the graph is the
+    one program's. (Five batches of 48 of the 210 features: few programs to compile.)"""
+    import sys
+
+    module = sys.modules["jstd.circuits.attribute"]  # the module (jstd.circuits.attribute: the function)
+    inner, ran = module.target_gradients, set()
+
+    def spy(model, tokens, tc, layers, positions, vectors, outputs, depth=None):
+        ran.add((depth, tokens.shape[1]))
+        return inner(model, tokens, tc, layers, positions, vectors, outputs, depth=depth)
+
     model, tok, tc, g = graph_of("gemma2_plt_jumprelu")
     spec = case("gemma2_plt_jumprelu")[0]
     prompt = (spec["prompt_ids_given"] * 4)[:17]
     one = attribute(model, prompt, tc, batch_size=1024, tokenizer=tok)
-    assert one.n_features > 40 and one.n_pos == 18
-    parts = attribute(model, prompt, tc, batch_size=8, tokenizer=tok)
+    assert one.n_features > 4 * 48 and one.n_pos == 18
+    monkeypatch.setattr(module, "target_gradients", spy)
+    parts = attribute(model, prompt, tc, batch_size=48, tokenizer=tok)
+    L = tc.num_layers
+    assert {d for d, _ in ran} >= {1, 2, L} and min(P for _, P in ran) < 18, ran
     np.testing.assert_allclose(parts.adjacency, one.adjacency, rtol=0, atol=2e-6 * np.abs(one.adjacency).max())
 
 

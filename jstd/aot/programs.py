@@ -17,15 +17,18 @@ also gets one image per row, the images split as the rows are.
   (block, position) pairs, each a whole run of the corrupted prompt with the patch (``vmap`` over the entries).
 - ``generate``: ``jstd.generate`` of ``new`` tokens, greedy, with a steering vector added at the middle block at
   every step.
-- ``attribute``: one batch of an attribution graph's rows (``jstd.circuits.replacement.direct_effects``, the heavy
-  part of ``jstd.attribute``, run once per batch of targets) for one prompt of ``seq`` tokens, through a
-  cross-layer transcoder of ``features`` per block (``abstract.abstract_transcoders``; placed by the layout as
-  ``jstd.attribute(..., mesh=)`` places it, and resident: its encoders and decoders count in the arguments though
-  this program reads none of them). ``batch`` targets (their blocks, positions and vectors, split over ``data``)
-  against every source: the activation-scaled decoder vectors laid out ``[L, seq, slots, d]`` (``slots``: the
-  sources writing at one block and position, default ``active · L`` rounded up to a power of two, ``active``
-  features per block and position, as a CLT's decoders from every earlier block write there), the errors and
-  the token embeddings (``circuits.sharding.Sources``, float32, positions over ``data`` and slots over ``model``).
+- ``attribute``: one batch of an attribution graph's rows, the two programs ``jstd.attribute`` runs for every
+  batch of targets (``jstd.circuits.replacement.target_gradients``, the batched backward, at full depth and length,
+  then ``source_columns``, their contraction with the sources on the device) for one prompt of ``seq`` tokens,
+  through a cross-layer transcoder of ``features`` per block (``abstract.abstract_transcoders``; placed by the
+  layout as ``jstd.attribute(..., mesh=)`` places it, and resident: its encoders and decoders count in the
+  arguments though this program reads none of them). ``batch`` targets (their blocks, positions and vectors, split
+  over ``data``), the prompt's MLP outputs (held in the backward; replicated), against every source: per block
+  ``l`` the activation-scaled decoder vectors ``[seq, slots_l, d]`` (``slots_l``: the sources writing at block
+  ``l`` and one position, default ``active · (l + 1)`` rounded up to a power of two, ``active`` features per block
+  and position, as a CLT's decoders from every block up to ``l`` write there; or ``slots`` for every block), the
+  errors and the token embeddings (``circuits.sharding.Sources``, float32, positions over ``data`` and slots over
+  ``model``), and each feature's columns (``active · L · seq`` features, replicated).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jstd.aot.abstract import abstract_transcoders
-from jstd.circuits.replacement import direct_effects
+from jstd.circuits.replacement import source_columns, target_gradients
 from jstd.circuits.sharding import Sources, batch_for, sources_shardings, targets_sharding
 from jstd.core.edits import Add, Set
 from jstd.core.inputs import Inputs
@@ -128,30 +131,33 @@ def _resumed_sweep(model, tokens, n: int, spread):
 
 
 def _attribute(model, mesh, rules, batch: int, seq: int, features: int, active: int, slots: int | None):
-    """``direct_effects`` of ``batch`` targets (rounded up to a multiple of ``data``) for one prompt of ``seq``
-    tokens through an abstract cross-layer transcoder of ``features`` per block."""
+    """``target_gradients`` and ``source_columns`` of ``batch`` targets (rounded up to a multiple of ``data``) for
+    one prompt of ``seq`` tokens through an abstract cross-layer transcoder of ``features`` per block."""
     if hasattr(model, "text"):
         raise ValueError("jstd.aot's attribute program covers text models (jstd.attribute's); not a wrapper")
     c = model.config
     L, d = c.num_layers, c.hidden_size
     dtype = jax.tree.leaves(model)[0].dtype
     tc = abstract_transcoders(L, features, d, mesh, rules, dtype=dtype)
-    K = slots or 1 << max(active * L - 1, 1).bit_length()
+    K = [slots or 1 << max(active * (lo + 1) - 1, 1).bit_length() for lo in range(L)]
     B = batch_for(batch, mesh)
-    sources = jax.eval_shape(lambda: Sources(jnp.zeros((L, seq, K, d), jnp.float32),
+    A = active * L * seq
+    sources = jax.eval_shape(lambda: Sources(tuple(jnp.zeros((seq, k, d), jnp.float32) for k in K),
                                              jnp.zeros((L, seq, d), jnp.float32), jnp.zeros((seq, d), jnp.float32)))
     placed = sources_shardings(mesh, sources)
     sources = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sources, placed)
     replicated = NamedSharding(mesh, PartitionSpec())
     tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=replicated)
+    outputs = jax.ShapeDtypeStruct((L, 1, seq, d), dtype, sharding=replicated)
+    columns = jax.ShapeDtypeStruct((A, L), jnp.int32, sharding=replicated)
     split = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=targets_sharding(mesh, len(shape)))
 
-    def fn(model, tc, tokens, layers, positions, vectors, sources):
-        return direct_effects(model, tokens, tc, layers, positions, vectors, sources.vectors, sources.errors,
-                              sources.tokens)
+    def fn(model, tc, tokens, layers, positions, vectors, outputs, sources, columns):
+        g_y, g_e = target_gradients(model, tokens, tc, layers, positions, vectors, outputs)
+        return source_columns(g_y, g_e, sources.vectors, sources.errors, sources.tokens, columns)
 
     return fn, (model, tc, tokens, split((B,), jnp.int32), split((B,), jnp.int32), split((B, d), jnp.float32),
-                sources)
+                outputs, sources, columns)
 
 
 def _images(model, batch: int, sharding):

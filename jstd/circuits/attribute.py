@@ -32,10 +32,11 @@ import numpy as np
 from jstd.circuits.graph import Graph, SparseAdjacency
 from jstd.circuits.inputs import ImagePrompt, has_images, image_prompt, with_features
 from jstd.circuits.replacement import prompt_values, source_columns, target_gradients
-from jstd.circuits.sharding import batch_for, place, place_sources, place_targets
+from jstd.circuits.sharding import Sources, batch_for, place, place_sources, place_targets
 from jstd.circuits.transcoders import Transcoders
 
 ZERO_POSITIONS = 1  # the BOS position carries no feature or error node
+LENGTHS = 6  # a long prompt's batches run the first P positions, P rounded up to a sixth of the prompt
 
 
 def prompt_tokens(prompt, tokenizer=None, vocab_size: int | None = None) -> np.ndarray:
@@ -328,7 +329,8 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
                     tokenizer=tokenizer, edges_per_row=edges_per_row, mesh=mesh)
     logits = np.asarray(v["logits"][np.arange(len(ids)), [len(i) - 1 for i in ids]])
     graphs = [_attribute(model, tc, ids[g], jnp.asarray(tokens[g:g + 1]) if image is None else image, sources[g],
-                         errors[:, g], embeddings[g], logits[g], **settings) for g in range(len(ids))]
+                         errors[:, g], embeddings[g], logits[g], outputs=v["y"][:, g:g + 1], **settings)
+              for g in range(len(ids))]
     if image is not None:
         graphs[0].image_patches = patches
     return graphs if several else graphs[0]
@@ -336,10 +338,10 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
 
 def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, errors, token_vectors, logits_last, *,
                targets, max_n_logits, desired_logit_prob, max_feature_nodes, batch_size, update_interval,
-               tokenizer, edges_per_row, mesh) -> Graph:
+               tokenizer, edges_per_row, mesh, outputs) -> Graph:
     """One prompt's graph: ``ids [n]``, ``tokens [1, N]`` (padded on the right to ``N >= n``; or an
     ``ImagePrompt``), its sources and ``errors [L, N, d]``, ``token_vectors [N, d]`` (zeros and ignored past
-    ``n``)."""
+    ``n``), ``outputs [L, 1, N, d]`` its MLP outputs (held in the backward: ``replacement.SkipOnly``)."""
     vocab = tokenizer.vocab_size if tokenizer is not None else model.config.vocab_size
     L, n, N = tc.num_layers, len(ids), tokens.shape[1]
     n_active = len(src.values)
@@ -347,7 +349,7 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
                                                     tokenizer, vocab)
     k = len(t_ids)
     enc = lambda layer, feature: np.asarray(tc.W_enc[layer, feature], np.float32)  # the rows alone to the host
-    U, E, T = place_sources(mesh, tuple(jnp.asarray(u) for u in src.U), errors, token_vectors)
+    placed = place_sources(mesh, Sources(tuple(jnp.asarray(u) for u in src.U), errors, token_vectors))
     columns = jnp.asarray(src.columns)
     # the prompt's own columns among source_columns' [A | L·N | N]
     A = src.columns.shape[0]
@@ -357,33 +359,39 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
     # Programs that skip what a batch cannot reach, once enough rows share them (small graphs use one program):
     # a batch of features read before block D runs only the first D blocks (circuit-tracer, too, backpropagates
     # from the deepest layer in a batch), and one whose targets lie at positions < P only the first P positions
-    # (a causal model: nothing later reaches them; P rounded up to a quarter of the prompt, so at most 4 lengths).
+    # (a causal model: nothing later reaches them; P rounded up to a sixth of the prompt: ``LENGTHS``).
     by_depth = n_active > 4 * batch_size
     # (not with images: cutting the prompt would cut image tokens from their images, and Gemma 3's blocks)
     cut = by_depth and N >= 16 and not isinstance(tokens, ImagePrompt)
-    lengths = sorted({-(-N * i // 4) for i in range(1, 5)}) if cut else [N]
+    lengths = sorted({-(-N * i // LENGTHS) for i in range(1, LENGTHS + 1)}) if cut else [N]
+    held = outputs[:, :, :max(lengths)]
 
     def rows(layers, positions, vectors):
         """The rows ``[m, n_active + L·n + n]`` of targets against the prompt's sources, ``batch_size`` at a time:
         every batch is dispatched before the first is read back (the device runs ahead of the host). With
-        ``edges_per_row``: ``(values [m, e], columns [m, e], Σ|row| [m])``, each row's top edges by magnitude."""
+        ``edges_per_row``: ``(values [m, e], columns [m, e], Σ|row| [m])``, each row's top edges by magnitude.
+
+        The targets go by block, and within a block by position, ascending in even blocks and descending in odd
+        ones, cut every ``batch_size`` rows: only the last batch is padded (with many batches, to a power of two),
+        and a batch that straddles two blocks meets them where their positions are alike (both late, or both
+        early)."""
         out = []
-        order = np.lexsort((positions, layers))  # by block, then position: batches that share a depth and length
+        order = np.lexsort((np.where(layers % 2 == 1, -positions, positions), layers))
         layers, positions, vectors = layers[order], positions[order], vectors[order]
-        cuts = list(np.flatnonzero(np.diff(layers)) + 1) if by_depth else []  # no batch straddles two blocks
-        starts = [s for a, b in zip([0] + cuts, cuts + [len(layers)]) for s in range(a, b, batch_size)]
-        ends = starts[1:] + [len(layers)]
-        for s, e in zip(starts, ends):
-            m = e - s
+        for s in range(0, len(layers), batch_size):
+            m = min(batch_size, len(layers) - s)
             depth = min(int(layers[s:s + m].max()) + 1, L) if by_depth else L
             P = next(P for P in lengths if P > int(positions[s:s + m].max()))
-            pad = lambda a: np.concatenate([a[s:s + m], np.zeros((batch_size - m,) + a.shape[1:], a.dtype)])
+            # a short last batch (the logits) of a graph with many batches: padded to a power of two, not batch_size
+            size = batch_for(min(batch_size, max(8, 1 << (m - 1).bit_length())), mesh) if by_depth else batch_size
+            pad = lambda a: np.concatenate([a[s:s + m], np.zeros((size - m,) + a.shape[1:], a.dtype)])
             g_y, g_e = target_gradients(model, tokens if P == N else tokens[:, :P], tc, *place_targets(
-                mesh, pad(layers).astype(np.int32), pad(positions).astype(np.int32), pad(vectors)), depth=depth)
+                mesh, pad(layers).astype(np.int32), pad(positions).astype(np.int32), pad(vectors)),
+                held[:, :, :P], depth=depth)
             # a feature target of block l reads nothing from block l's MLP output or later ones
             reach = int(layers[s:s + m].max())
             reach = reach if reach < L else None
-            c = source_columns(g_y, g_e, U, E, T, columns, reach=reach)
+            c = source_columns(g_y, g_e, placed.vectors, placed.errors, placed.tokens, columns, reach=reach)
             out.append((m, c if edges_per_row is None else top_edges(c, min(edges_per_row, c.shape[1]))))
         back = np.argsort(order)
         if edges_per_row is None:

@@ -1,6 +1,6 @@
 """The local replacement model of a prompt, and the batched derivatives that give an attribution graph its edges.
 
-The model runs once on the prompt (``prompt_values``). Its *linearisation* (``direct_effects``) is the same
+The model runs once on the prompt (``prompt_values``). Its *linearisation* (``linearised``) is the same
 forward with every norm's ``1 / rms`` and every attention pattern held (``jstd.nn.frozen``) and each block's MLP
 output ``y_l`` held except for the transcoders' skip path:
 
@@ -11,11 +11,12 @@ at the token embeddings) follows only residual additions, attention's value/outp
 patterns, the held norms' diagonals and the skips: circuit-tracer's "direct effect". The freezing lives in the
 layers and in two edits at the transcoders' sites, so it works on any family built from ``jstd.nn``'s layers.
 
-``direct_effects`` takes a batch of targets — an input vector ``v`` read at block ``l``'s transcoder input at
+``target_gradients`` takes a batch of targets — an input vector ``v`` read at block ``l``'s transcoder input at
 position ``p`` (a feature's encoder row), or at the final norm's output at the last position (``l = L``: a
-logit's demeaned unembedding) — and returns, for each, ``⟨∂⟨v, x⟩/∂y_{l',p'}, u⟩`` for every source vector ``u``
-placed at ``(l', p')`` and ``⟨∂⟨v, x⟩/∂embedding_p, e_p⟩`` for the tokens: one compiled program (a ``vmap`` over
-the cotangents of one ``jax.vjp``) per batch shape, reused for every batch.
+logit's demeaned unembedding) — and returns, for each, ``∂⟨v, x⟩/∂y_{l',p'}`` and ``∂⟨v, x⟩/∂embedding_p``: one
+compiled program (a ``vmap`` over the cotangents of one ``jax.vjp``) per batch shape, depth and length, reused
+for every batch. ``source_columns`` contracts them on the device with every source vector ``u`` placed at
+``(l', p')`` (``⟨∂⟨v, x⟩/∂y_{l',p'}, u⟩``), the errors and the token embeddings: the batch's rows.
 """
 
 from __future__ import annotations
@@ -41,23 +42,28 @@ class SkipOnly(Edit):
     """At the transcoders' output site: ``stop_gradient(y) + (skip(x) - stop_gradient(skip(x))) + delta``. The forward value is
     ``y + delta``; the derivative reaches ``x`` only through the skip (``W_skip [L, d_in, d_out]`` or None) and
     ``delta`` (stacked over blocks, ``[L, batch, seq, d]``) is where a perturbation of ``y`` enters. ``x``: what
-    ``jstd.sae.splice.Source`` at the transcoders' input site hands it."""
+    ``jstd.sae.splice.Source`` at the transcoders' input site hands it. ``held`` (stacked like ``delta``, or None):
+    the prompt's MLP outputs, used for ``y`` instead of the value the forward computes — the same value, but the
+    MLPs' own products are then dead code and a compiled program does not run them."""
 
     W_skip: Float[Array, "layers d_in d_out"] | None
     value: Float[Array, "layers batch seq d_out"]
+    held: Float[Array, "layers batch seq d_out"] | None
 
-    def __init__(self, site: str, W_skip, delta):
+    def __init__(self, site: str, W_skip, delta, held=None):
         self._init_site(site, None, None)
         self.W_skip = W_skip
         self.value = delta
+        self.held = held
 
     def arrays(self) -> tuple[str, ...]:
-        return ("value",)
+        return ("value",) if self.held is None else ("value", "held")
 
     def op(self, value):
         raise NotImplementedError("SkipOnly runs inside the forward (within)")
 
     def within(self, y: Array, scope) -> Array:
+        y = y if self.held is None else self.held.astype(y.dtype)
         out = jax.lax.stop_gradient(y) + self.value.astype(y.dtype)
         if self.W_skip is None:
             return out
@@ -84,20 +90,23 @@ def shallow(model, depth: int):
     return eqx.tree_at(lambda m: m.stacks["layers"], model, model.stacks["layers"].first(depth))  # a wrapper's too
 
 
-def linearised(model, tokens, tc: Transcoders, depth: int | None = None):
+def linearised(model, tokens, tc: Transcoders, depth: int | None = None, outputs=None):
     """``f(δ_y [D, batch, seq, d], ε [batch, seq, d]) -> (x [D, batch, seq, d], final norm output)``: the local
     replacement model (module docstring) of the first ``D = depth`` blocks (None: all), a function whose
     derivative at zero gives the direct effects. ``tokens``: ids, or a prompt with images
     (``jstd.circuits.inputs.ImagePrompt``, one row: ``ε`` at an image token perturbs its merged embedding).
-    Below the full depth the final norm's output is that of the truncated stream (no logit target reads it)."""
+    Below the full depth the final norm's output is that of the truncated stream (no logit target reads it).
+    ``outputs`` (``[>= D, batch, seq, d]`` or None): the prompt's MLP outputs (``prompt_values``' ``y``) held in
+    place of the forward's own (``SkipOnly``: no MLP runs)."""
     depth = depth or tc.num_layers
     model = frozen(shallow(model, depth))
     x_site, y_site = tc.input_site, tc.output_site
     W_skip = None if tc.W_skip is None else tc.W_skip[:depth]
+    held = None if outputs is None else outputs[:depth]
 
     def f(deltas):
         d_y, d_e = deltas
-        edits = [Source(x_site, y_site), SkipOnly(y_site, W_skip, d_y), Add("token_embeddings", d_e),
+        edits = [Source(x_site, y_site), SkipOnly(y_site, W_skip, d_y, held), Add("token_embeddings", d_e),
                  *merged_edits(tokens, d_e)]  # a prompt with images: d_e at its image tokens (circuits.inputs)
         out = run(model, tokens, edits, reads=(x_site, "final_norm_output"))
         return out[x_site], out["final_norm_output"]
@@ -105,17 +114,18 @@ def linearised(model, tokens, tc: Transcoders, depth: int | None = None):
     return f
 
 
-def gradients(model, tokens, tc: Transcoders, layers, positions, vectors, depth: int | None = None):
+def gradients(model, tokens, tc: Transcoders, layers, positions, vectors, depth: int | None = None, outputs=None):
     """For each target ``b`` (``layers[b]`` in ``0..L``, ``L``: the final norm's output; ``positions[b]``;
     ``vectors[b] [d]``): ``(g_y [batch_targets, D, seq, d], g_embed [batch_targets, seq, d])``, the gradient of
     ``⟨v, x⟩`` at every block's MLP output and at the embeddings in the linearised model (one prompt row).
     ``depth`` (static; None: all blocks): run only the first ``D`` blocks; every feature target must then read a
-    block before ``D``, and no logit target may be among them (the caller's promise)."""
+    block before ``D``, and no logit target may be among them (the caller's promise). ``outputs``: the prompt's
+    MLP outputs ``[L, 1, seq, d]`` (``linearised``; None: recomputed)."""
     depth = depth or tc.num_layers
     L = depth if depth < tc.num_layers else tc.num_layers
     n = tokens.shape[1]
     d = tc.d_out
-    f = linearised(model, tokens, tc, depth)
+    f = linearised(model, tokens, tc, depth, outputs)
     zeros = (jnp.zeros((L, 1, n, d), jnp.float32), jnp.zeros((1, n, d), jnp.float32))
     (x, final), pullback = jax.vjp(f, zeros)
     B = vectors.shape[0]
@@ -130,25 +140,10 @@ def gradients(model, tokens, tc: Transcoders, layers, positions, vectors, depth:
 
 
 @functools.partial(jax.jit, static_argnames="depth")
-def direct_effects(model, tokens, tc: Transcoders, layers, positions, vectors, sources, errors, token_vectors,
-                   depth: int | None = None):
-    """The rows of a batch of targets (``gradients``' arguments) against every source: ``(features [B, D, seq,
-    K], errors [B, D, seq], tokens [B, seq])`` where ``sources [L, seq, K, d]`` holds the (activation-scaled)
-    vectors the sources write at each block and position (zeros where fewer than K write), ``errors [L, seq, d]``
-    the error vectors and ``token_vectors [seq, d]`` the token embeddings; ``D = depth`` (static; None: L) blocks
-    (sources at later blocks have no direct effect on targets before ``D``)."""
-    g_y, g_e = gradients(model, tokens, tc, layers, positions, vectors, depth)
-    D = g_y.shape[1]
-    prec = jax.lax.Precision.HIGHEST
-    return (jnp.einsum("blpd,lpkd->blpk", g_y, sources[:D], precision=prec),
-            jnp.einsum("blpd,lpd->blp", g_y, errors[:D], precision=prec),
-            jnp.einsum("bpd,pd->bp", g_e, token_vectors, precision=prec))
-
-
-@functools.partial(jax.jit, static_argnames="depth")
-def target_gradients(model, tokens, tc: Transcoders, layers, positions, vectors, depth: int | None = None):
-    """``gradients`` compiled: one program per (batch, ``depth``, prompt length), whatever the prompt's sources."""
-    return gradients(model, tokens, tc, layers, positions, vectors, depth)
+def target_gradients(model, tokens, tc: Transcoders, layers, positions, vectors, outputs, depth: int | None = None):
+    """``gradients`` compiled, with the prompt's MLP outputs held (``outputs [L, 1, seq, d]``, so no MLP runs): one
+    program per (batch, ``depth``, prompt length), whatever the prompt's sources."""
+    return gradients(model, tokens, tc, layers, positions, vectors, depth, outputs)
 
 
 @functools.partial(jax.jit, static_argnames="reach")

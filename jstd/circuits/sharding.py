@@ -8,11 +8,11 @@
   ``embed``), so under ``FSDP`` every encoder and decoder is split by its width over ``data`` and under ``TP`` by
   its features over ``model``, a cross-layer transcoder's decoders from block ``l`` each split like block ``l``'s
   encoder.
-- Each batch of targets (``direct_effects``' ``layers``, ``positions``, ``vectors``: the rows being computed) is
+- Each batch of targets (``replacement.target_gradients``' ``layers``, ``positions``, ``vectors``: the rows being computed) is
   split over ``data`` (``place_targets``; ``batch_size`` rounded up to a multiple of ``data``), so each data
   shard backpropagates its own targets through the model (XLA gathers the weights FSDP splits, a block at a time).
-- The sources laid out per (block, position) (``Sources``: the activation-scaled decoder vectors ``[L, n, K, d]``,
-  the error vectors ``[L, n, d]``, the token embeddings ``[n, d]``) are placed once per prompt, whatever the
+- The sources laid out per (block, position) (``Sources``: per block the activation-scaled decoder vectors ``[n,
+  K_l, d]``, the error vectors ``[L, n, d]``, the token embeddings ``[n, d]``) are placed once per prompt, whatever the
   layout, with their positions over ``data`` and their slots over ``model`` (``place_sources``; an axis the mesh's
   axis does not divide stays whole), each vector whole: the product of a batch's gradients ``[B, L, n, d]`` with
   them then needs the gradients moved to the positions' shards (an all-to-all of the batch's gradients) and no
@@ -40,11 +40,11 @@ from jstd.sharding import LAYOUTS, Rules, fit, shard
 
 
 class Sources(eqx.Module):
-    """What the sources of a prompt write, as ``direct_effects`` reads it: ``vectors [L, n, K, d]`` (the
-    activation-scaled decoder vectors by block, position and slot), ``errors [L, n, d]``, ``tokens [n, d]`` (the
-    token embeddings)."""
+    """What the sources of a prompt write, as ``replacement.source_columns`` reads them: ``vectors``, per block
+    ``l`` ``[n, K_l, d]`` (the activation-scaled decoder vectors by position and slot; each block its own slot
+    count), ``errors [L, n, d]``, ``tokens [n, d]`` (the token embeddings)."""
 
-    vectors: Float[Array, "layers seq slots d"]
+    vectors: tuple[Float[Array, "seq slots d"], ...]
     errors: Float[Array, "layers seq d"]
     tokens: Float[Array, "seq d"]
 
@@ -97,25 +97,14 @@ def sources_shardings(mesh: Mesh, sources: Sources) -> Sources:
     over ``model`` (module docstring), each axis whole where the mesh has no such axis or its size does not
     divide the axis'."""
     have = lambda axis: axis if axis in mesh.axis_names else None
-    specs = Sources(PartitionSpec(None, have(DATA), have(MODEL)), PartitionSpec(None, have(DATA)),
-                    PartitionSpec(have(DATA)))
+    specs = Sources(tuple(PartitionSpec(have(DATA), have(MODEL)) for _ in sources.vectors),
+                    PartitionSpec(None, have(DATA)), PartitionSpec(have(DATA)))
     return jax.tree.map(lambda spec, a: fit(NamedSharding(mesh, spec), tuple(a.shape)), specs, sources,
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def place_sources(mesh: Mesh | None, vectors, errors, tokens):
-    """``(vectors, errors, tokens)`` placed on ``mesh`` (``sources_shardings``); without a mesh, as given.
-    ``vectors``: ``[L, n, K, d]``, or per block a tuple of ``[n, K_l, d]`` (``jstd.attribute``'s layout: each
-    block its own slot count), placed alike (positions over ``data``, slots over ``model``)."""
+def place_sources(mesh: Mesh | None, sources: Sources) -> Sources:
+    """``sources`` placed on ``mesh`` (``sources_shardings``); without a mesh, as given."""
     if mesh is None:
-        return vectors, errors, tokens
-    if isinstance(vectors, tuple):
-        whole = sources_shardings(mesh, Sources(jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), errors, tokens))
-        have = lambda axis: axis if axis in mesh.axis_names else None
-        spec = PartitionSpec(have(DATA), have(MODEL))
-        vectors = tuple(jax.device_put(u, fit(NamedSharding(mesh, spec), tuple(u.shape))) for u in vectors)
-        errors, tokens = jax.device_put((errors, tokens), (whole.errors, whole.tokens))
-        return vectors, errors, tokens
-    sources = Sources(vectors, errors, tokens)
-    placed = jax.device_put(sources, sources_shardings(mesh, sources))
-    return placed.vectors, placed.errors, placed.tokens
+        return sources
+    return jax.device_put(sources, sources_shardings(mesh, sources))
