@@ -42,7 +42,7 @@ start = time.time()
 
 
 def say(line: str) -> None:
-    print(f"{time.time() - start:6.1f}s {line}", flush=True)
+    print(f"{time.time() - start:6.1f}s (cpu {time.process_time():6.1f}s) {line}", flush=True)
 
 
 def reads_for(model) -> tuple[str, ...]:
@@ -72,19 +72,27 @@ def programs(model, inputs, mesh=None, rules=None, only=None) -> dict[str, objec
     """Every program's result as host arrays: ``run`` (logits and reads, under an ablation and a steering edit),
     ``patch_sweep`` (entries spread over the mesh's ``data`` axis), ``grad`` (of a logit difference through the
     steering edit's vector) and ``generate`` (3 greedy tokens under the steering edit). ``mesh`` None: on one
-    device."""
+    device.
+
+    Traced inside ``trusted()``: the inputs are known good, so the compiled programs carry no runtime check (a host
+    callback), which would keep them from being compiled once a job and handed to the other process
+    (``multihost.share_compiles``); the values are the same either way."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental import multihost_utils
 
     import jstd
+    from jstd.core.checks import trusted
 
     def host(tree):
-        def one(x):
-            if isinstance(x, jax.Array) and not x.is_fully_addressable:
-                return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-            return np.asarray(x)
-        return jax.tree.map(one, tree)
+        """``tree``'s arrays as numpy: those across processes gathered whole by one program for the tree (a
+        ``process_allgather`` a leaf compiles a program a shape)."""
+        spread = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and not x.is_fully_addressable]
+        if spread:
+            whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            gathered = iter(jax.jit(lambda xs: xs, out_shardings=whole)(spread))
+            tree = jax.tree.map(lambda x: next(gathered) if isinstance(x, jax.Array) and not x.is_fully_addressable
+                                else x, tree)
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x), tree)
 
     placed = inputs if mesh is None else jstd.sharding.shard_inputs(inputs, mesh, rules)
     hidden = model.config.hidden_size
@@ -92,24 +100,25 @@ def programs(model, inputs, mesh=None, rules=None, only=None) -> dict[str, objec
     edits = [jstd.Add(STEER, steer, layer=1),
              jstd.zero_ablation("layers.mlp.mlp_output", layer=0, positions=[2])]
     reads = reads_for(model)
-    out = {}
-    if only is None or "run" in only:
-        got = jax.jit(jstd.run, static_argnames="reads")(model, placed, edits, reads=reads)
-        out["run"] = host({"logits": got.logits, **{s: got[s] for s in reads}})
     tokens = np.asarray(tokens_of(inputs))
     a, b = int(tokens[0, 1]), int(tokens[0, 2])
-    if only is None or "patch_sweep" in only:
-        clean, corrupt = rows(inputs, 0), rows(inputs, 1)
-        out["patch_sweep"] = host(jstd.patch_sweep(model, clean, corrupt, "layers.layer_output",
-                                                   jstd.logit_difference(a, b), mesh=mesh, progress=False))
-    if only is None or "grad" in only:
-        def metric(vector, model, placed):  # (arrays across processes are arguments: jit refuses to close over them)
-            logits = jstd.run(model, placed, [jstd.Add(STEER, vector, layer=1)]).logits
-            return jnp.sum(logits[:, -1, a] - logits[:, -1, b])
-        out["grad"] = host(jax.jit(jax.value_and_grad(metric))(steer, model, placed))
-    if only is None or "generate" in only:
-        gen = jstd.generate(model, placed, [jstd.Add(STEER, steer, layer=1)], max_new_tokens=3)
-        out["generate"] = host({"tokens": gen.tokens, "logits": gen.logits})
+    out = {}
+    with trusted():
+        if only is None or "run" in only:
+            got = jax.jit(jstd.run, static_argnames="reads")(model, placed, edits, reads=reads)
+            out["run"] = host({"logits": got.logits, **{s: got[s] for s in reads}})
+        if only is None or "patch_sweep" in only:
+            clean, corrupt = rows(inputs, 0), rows(inputs, 1)
+            out["patch_sweep"] = host(jstd.patch_sweep(model, clean, corrupt, "layers.layer_output",
+                                                       jstd.logit_difference(a, b), mesh=mesh, progress=False))
+        if only is None or "grad" in only:
+            def metric(vector, model, placed):  # (arrays across processes are arguments: jit refuses to close over them)
+                logits = jstd.run(model, placed, [jstd.Add(STEER, vector, layer=1)]).logits
+                return jnp.sum(logits[:, -1, a] - logits[:, -1, b])
+            out["grad"] = host(jax.jit(jax.value_and_grad(metric))(steer, model, placed))
+        if only is None or "generate" in only:
+            gen = jstd.generate(model, placed, [jstd.Add(STEER, steer, layer=1)], max_new_tokens=3)
+            out["generate"] = host({"tokens": gen.tokens, "logits": gen.logits})
     return out
 
 
@@ -275,9 +284,32 @@ def main(path: str) -> None:
     say("done")
 
 
+def single_main(path: str) -> None:
+    """The single-process values: every program each case runs under some layout, on this process's one device
+    (a process of its own, compiling with the job's XLA flags, while the job runs)."""
+    import multihost
+
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    import jstd
+
+    with open(path, "rb") as f:
+        cases = pickle.load(f)
+    want = {}
+    for case, folder, inputs, layouts in cases:
+        needed = tuple(sorted({p for only in layouts.values() for p in only} | {"run"}))
+        want[case] = programs(jstd.load(folder), inputs, only=needed)
+        say(f"{case}: single-process values")
+        jax.clear_caches()
+    multihost.finish(want)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(__file__))
     if sys.argv[1] == "collect":
         collect_main(*sys.argv[2:])
+    elif sys.argv[1] == "single":
+        single_main(sys.argv[2])
     else:
         main(sys.argv[1])

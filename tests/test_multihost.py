@@ -15,19 +15,18 @@ import numpy as np
 import pytest
 
 import multihost
-from multihost_check import programs
 from reference.cases import Case
 
 HERE = Path(__file__).parent
-# every family loads and runs (reads and edits) under every layout; the other programs (a compile each, in both
-# processes) run once a family, spread so that every layout runs each of them on some family
-ALL = ("run", "patch_sweep", "grad", "generate")
+# every family loads under every layout (what each process reads and holds, checked in all 12); the four programs
+# (a compile each, and a trace in both processes) run once a family, spread so that every layout runs each of them
+# on some family and every family runs something under every layout: every (family, program) and every (layout,
+# program) pair, 16 programs in all
 CASES = {
-    "llama-gqa": {"FSDP": ALL, "TP": ("run",), "FSDP_TP": ("run",)},
-    "olmo_hybrid-rotary_grouped": {"FSDP": ("run", "patch_sweep"), "TP": ("run", "generate"),
-                                   "FSDP_TP": ("run", "grad")},
-    "qwen3_moe": {"FSDP": ("run", "generate"), "TP": ("run", "grad"), "FSDP_TP": ("run", "patch_sweep")},
-    "llava": {"FSDP": ("run", "grad"), "TP": ("run", "patch_sweep"), "FSDP_TP": ("run", "generate")},
+    "llama-gqa": {"FSDP": ("run", "patch_sweep"), "TP": ("grad",), "FSDP_TP": ("generate",)},
+    "olmo_hybrid-rotary_grouped": {"FSDP": ("grad",), "TP": ("generate",), "FSDP_TP": ("run", "patch_sweep")},
+    "qwen3_moe": {"FSDP": ("generate",), "TP": ("run", "patch_sweep"), "FSDP_TP": ("grad",)},
+    "llava": {"FSDP": ("run",), "TP": ("patch_sweep",), "FSDP_TP": ("grad", "generate")},
 }
 # OLMo-Hybrid's case with one DeltaNet slot (LA LA: a period of two scanned twice; each DeltaNet slot compiles its
 # kernel in every program), at hidden size 64: DeltaNet's convolutions, decays and output norm have no embed axis and
@@ -51,18 +50,16 @@ def inputs_for(case):
     return np.random.default_rng(0).integers(0, case.model.config.vocab_size, (8, 7))
 
 
-def built(zoo, name: str, folder):
-    """The zoo's case ``name``, or its checkpoint with ``WIDER``'s sizes made in ``folder`` and loaded (no torch
-    reference: the single process's values are the reference here)."""
-    import jstd
-
-    if name not in WIDER:
-        return zoo(name)
+def built(name: str, folder):
+    """The zoo's case ``name`` (``WIDER``'s sizes where given) made in ``folder`` and loaded, without a torch
+    reference (the single process's values are the reference here)."""
     import families
+    import jstd
     import olmo_hybrid_cases
 
     spec = families.CASES[name]
-    folder = spec.make(olmo_hybrid_cases.config(name.split("-", 1)[1], **WIDER[name]), folder, seed=spec.seed)
+    config = olmo_hybrid_cases.config(name.split("-", 1)[1], **WIDER[name]) if name in WIDER else spec.config()
+    folder = spec.make(config, folder, seed=spec.seed)
     return Case(name, folder, jstd.load(folder), None, spec)
 
 
@@ -86,24 +83,21 @@ def compare(got, want, name: str, scale: float | None = None, tolerance: float =
                                            f"{scale:.3g}")
 
 
-def test_two_processes_equal_one(zoo, tmp_path):
+def test_two_processes_equal_one(tmp_path):
     """Under FSDP, TP and FSDP_TP on 2 processes x 4 devices: each process reads only the byte ranges its shards
     need and holds only those shards (half the model under FSDP), and every program gives the single-process
-    values."""
-    cases, made = [], {}
+    values (computed by a process of its own on one device, while the job runs)."""
+    cases = []
     for name, layouts in CASES.items():
-        case = built(zoo, name, tmp_path / name)
-        made[name] = case
+        case = built(name, tmp_path / name)
         cases.append((name, str(case.folder), inputs_for(case), layouts))
     with open(tmp_path / "cases.pkl", "wb") as f:
         pickle.dump(cases, f)
-    children = multihost.start([sys.executable, str(HERE / "multihost_check.py"), str(tmp_path / "cases.pkl")],
-                               PROCESSES, 4, tmp_path)
-    try:  # the single-process values, computed while the processes run
-        want = {}
-        for name, _, inputs, layouts in cases:
-            needed = tuple(sorted({p for only in layouts.values() for p in only}))
-            want[name] = programs(made[name].model, inputs, only=needed)
+    check = [sys.executable, str(HERE / "multihost_check.py")]
+    children = multihost.start(check + [str(tmp_path / "cases.pkl")], PROCESSES, 4, tmp_path)
+    try:
+        (want,) = multihost.launch(check + ["single", str(tmp_path / "cases.pkl")], 1, 1, timeout=600,
+                                   workdir=tmp_path / "single")
     except BaseException:
         for c in children:
             c.kill()
