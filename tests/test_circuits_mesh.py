@@ -20,7 +20,7 @@ from jstd.circuits import load_transcoders
 DATA = Path(__file__).parent / "data" / "circuit_tracer"
 # the CLT under every layout; a per-layer set under the 2-D one (each layout is a compile of its own)
 CASES = {"llama_clt_relu_skip": "FSDP,TP,FSDP_TP", "llama_plt_jumprelu_skip": "FSDP_TP"}
-FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
 
 
 def test_graph_on_8_devices_equals_one_device():

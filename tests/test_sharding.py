@@ -37,7 +37,7 @@ LAYOUTS = {
 }
 # XLA's CPU backend at its lowest optimization level: compiles about twice as fast; both sides of every comparison
 # run in that process
-FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
 
 
 def test_every_layout_on_8_devices_equals_one_device(zoo, tmp_path):
