@@ -268,10 +268,9 @@ def test_grouped_and_dense_products_agree_and_memory_is_per_chosen_pair():
         fn = jax.jit(lambda x, i, g, d: moe_kernels.expert_outputs(x, i, g, d, "silu"))
         return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
-    # O(pairs + experts · tile) rows: the padding bound grows with the experts, the rows do not multiply by them (with
-    # 8 experts the batched product's rows, about 9/8 of the pairs, are one more O(pairs) buffer beside the loop's)
+    # O(pairs + experts · tile) rows: the padding bound grows with the experts, the rows do not multiply by them
     small, large, dense = temp(8), temp(512), 256 * 512 * 64 * 4  # the dense product's one [tokens, experts, 64]
-    assert small < dense / 32 and large < dense / 8, (small, large)
+    assert small < dense / 64 and large < dense / 8, (small, large)
 
 
 def test_grouped_product_windows_and_derivatives_match_the_dense_product():
@@ -289,15 +288,6 @@ def test_grouped_product_windows_and_derivatives_match_the_dense_product():
     dense = moe_kernels.expert_outputs(x, idx, *w[:2], "silu", True, *w[2:], product=product)
     for window in (1, 3, 16, 64):
         assert_close(moe_kernels.segments(x, idx, expert, experts, window), dense, 1e-6, f"window {window}")
-    # each expert's first `capacity` rows through one batched product, the rest (experts past it) through the loop
-    every = lambda xs: jax.vmap(lambda xs, *we: moe_kernels._expert(xs, *we[:2], product, *we[2:]))(xs, *w)
-    for capacity, window in ((1, 3), (4, 16), (9, 2), (30, 8)):
-        assert_close(moe_kernels.segments(x, idx, expert, experts, window, every, capacity), dense, 1e-6,
-                     f"capacity {capacity}, window {window}")
-    many = jnp.concatenate([x] * 4), jnp.concatenate([idx, idx[::-1], idx[:, ::-1], (idx + 1) % experts])
-    assert moe_kernels.capacity_rows(2 * len(many[0]), experts) > 0  # expert_outputs takes the batched product
-    assert_close(moe_kernels.expert_outputs(*many, *w[:2], "silu", False, *w[2:], product=product),
-                 moe_kernels.expert_outputs(*many, *w[:2], "silu", True, *w[2:], product=product), 1e-6, "capacity")
     assert_close(moe_kernels.expert_outputs(x[:1], idx[:1], *w[:2], "silu", False, *w[2:], product=product),
                  dense[:1], 1e-6, "one token")
 

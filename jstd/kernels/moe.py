@@ -257,17 +257,9 @@ def expert_outputs(x: Float[Array, "tokens hidden"], indices: Int[Array, "tokens
         w = jax.lax.optimization_barrier(jax.tree.map(lambda a: a[e], w))
         return lambda xs: _expert(xs, w[0], w[1], product, w[2], w[3])
 
-    def every(w):  # each expert on its own [capacity, hidden] rows: one batched product over the stacked weights
-        def run(xs):
-            h = jnp.einsum("ech,ehm->ecm", xs, w[0])
-            h = h if w[2] is None else h + w[2][:, None]
-            y = jnp.einsum("ecm,emh->ech", product(*jnp.split(h, 2, axis=-1)), w[1])
-            return y if w[3] is None else y + w[3][:, None]
-        return run
-
     @jax.custom_batching.custom_vmap
     def values(x, indices, w):
-        return segments(x, indices, lambda e: one(w, e), experts, every=every(w))
+        return segments(x, indices, lambda e: one(w, e), experts)
 
     @values.def_vmap
     def _(size, batched, x, indices, w):
@@ -301,89 +293,54 @@ def _expert(xs, gate_up, down, product, gate_up_bias=None, down_bias=None):
 
 def segment_rows(pairs: int, experts: int) -> int:
     """The rows of ``segments``' large windows: the largest power of two at most an expert's mean share of the
-    ``pairs``, between 16 and 256 (the rest of a segment goes in windows of multiples of a quarter of that, at least 8)."""
+    ``pairs``, between 16 and 256 (its small windows are a quarter of that, at least 8)."""
     share = max(1, pairs // experts)
     return int(min(256, max(16, 1 << (share.bit_length() - 1))))
 
 
-def capacity_rows(pairs: int, experts: int) -> int:
-    """The rows ``segments`` gives each expert in its one batched product: an expert's mean share of the ``pairs``
-    plus an eighth, in whole multiples of 8 — 0 (no batched product) where the mean share is under 32 rows (there
-    the padding of the experts that few pairs chose would cost more than the slices it saves)."""
-    share = pairs // experts
-    return 0 if share < 32 else -(-(share + share // 8) // 8) * 8
-
-
 def segments(x: Float[Array, "tokens hidden"], indices: Int[Array, "tokens top_k"], expert, experts: int,
-             window: int | None = None, every=None, capacity: int | None = None) -> Float[Array, "tokens top_k out"]:
+             window: int | None = None) -> Float[Array, "tokens top_k out"]:
     """``expert(e)(rows)`` (``expert(e)`` takes its weights once; ``rows`` ``[n, hidden]`` of tokens that chose
     expert ``e``) for every chosen (token, expert) pair, as ``[tokens, top_k, out]``, touching only the experts
     some token chose, and each of those once.
 
     The ``tokens · top_k`` pairs are sorted by expert; a loop over the chosen experts (as many as there are) takes
     each one's weights, then its contiguous segment of sorted rows in windows of ``window`` rows (``segment_rows``)
-    while that many remain, and the rest in one window of the next multiple of a quarter of that (a ``lax.switch``
-    over those sizes: one product, not several small ones). A window that runs past its segment computes
+    while that many remain and of a quarter of that for the rest. A window that runs past its segment computes
     the next expert's first rows with this expert's weights; the next expert's windows overwrite them (and the
     rows past the last segment are padding, dropped), so every pair's row is its own expert's. Memory is
-    O(pairs · hidden); the work is that of the pairs plus less than a quarter window an expert. The loops are
+    O(pairs · hidden); the work is that of the pairs plus at most one small window an expert. The loops are
     data-dependent (``lax.while_loop``): values and ``vmap`` only, no transpose (``expert_outputs`` differentiates
-    through ``grouped``). ``jax.lax.ragged_dot`` would compute every expert for every row on the CPU.
-
-    ``every`` (``[experts, capacity, hidden] -> [experts, capacity, out]``: each expert on its own rows, one
-    batched product that reads the stacked weights where they lie) takes each expert's first ``capacity`` rows
-    (``capacity_rows``: about its mean share; the slots of an expert with fewer rows are zeros, dropped), and the
-    loop above only the rows past them, over the experts that have such rows: with balanced routing most of the
-    work is one large product and few experts' weights are sliced (XLA:CPU copies a slice before a product). The
-    memory of the batched rows is ``experts · capacity ≈ pairs · 9/8`` rows: still O(pairs)."""
+    through ``grouped``). ``jax.lax.ragged_dot`` would compute every expert for every row on the CPU."""
     tokens, k = indices.shape
     pairs, hidden = tokens * k, x.shape[-1]
     big = window or segment_rows(pairs, experts)
     small = max(8, big // 4)
     big = max(1, min(big, pairs))  # no larger than the rows (and their padding) it slices
-    small = min(small, big)
-    c = 0 if every is None else capacity_rows(pairs, experts) if capacity is None else capacity
     flat = indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)                                # pair order grouped by expert
     sizes = jnp.bincount(flat, length=experts)
     ends = jnp.cumsum(sizes)
-    starts = ends - sizes
-    rest = jnp.maximum(sizes - c, 0)                                      # each expert's rows past its capacity
-    chosen = jnp.nonzero(rest, size=experts, fill_value=0)[0]            # the experts with such rows, ascending
-    rows = jnp.concatenate([x[order // k], jnp.zeros((big, hidden), x.dtype)])  # padding: the last overrun
+    chosen = jnp.nonzero(sizes, size=experts, fill_value=0)[0]           # the chosen experts first, ascending
+    rows = jnp.concatenate([x[order // k], jnp.zeros((small, hidden), x.dtype)])  # padding: the last overrun
     out = jax.eval_shape(lambda r: expert(0)(r), rows[:small])
 
-    def window(f, size):  # f on one window of `size` rows from pos
-        return lambda pos, y: jax.lax.dynamic_update_slice_in_dim(
-            y, f(jax.lax.dynamic_slice_in_dim(rows, pos, size)), pos, 0)
+    def over(f, size, pos, end, y, more):  # f on windows of `size` rows from pos while `more(pos, end)`
+        def step(c):
+            pos, y = c
+            return pos + size, jax.lax.dynamic_update_slice_in_dim(y, f(jax.lax.dynamic_slice_in_dim(
+                rows, pos, size)), pos, 0)
+        return jax.lax.while_loop(lambda c: more(*c[:1], end), step, (pos, y))
 
     def one(i, y):
         e = chosen[i]
         f, end = expert(e), ends[e]
-        pos, y = jax.lax.while_loop(lambda c: end - c[0] >= big, lambda c: (c[0] + big, window(f, big)(*c)),
-                                    (end - rest[e], y))
-        # the rest (fewer than `big` rows) in one window of the next multiple of `small` rows, padded to `big` rows
-        # (the switch returns one shape; y goes around it, not through it, so XLA updates it in place)
-        last = lambda size: lambda pos: jnp.pad(f(jax.lax.dynamic_slice_in_dim(rows, pos, size)),
-                                                ((0, big - size),) + ((0, 0),) * (len(out.shape) - 1))
-        branches = [lambda pos: jnp.zeros((big,) + out.shape[1:], out.dtype)] + [
-            last(min(j * small, big)) for j in range(1, -(-big // small) + 1)]
-        return jax.lax.dynamic_update_slice_in_dim(y, jax.lax.switch((end - pos + small - 1) // small, branches, pos),
-                                                   pos, 0)
+        pos, y = over(f, big, end - sizes[e], end, y, lambda pos, end: end - pos >= big)
+        return over(f, small, pos, end, y, lambda pos, end: pos < end)[1]
 
-    y = jax.lax.fori_loop(0, jnp.count_nonzero(rest), one, jnp.zeros((pairs + big,) + out.shape[1:], out.dtype))
+    y = jax.lax.fori_loop(0, jnp.count_nonzero(sizes), one, jnp.zeros((pairs + small,) + out.shape[1:], out.dtype))
     inverse = jnp.zeros(pairs, jnp.int32).at[order].set(jnp.arange(pairs, dtype=jnp.int32), unique_indices=True)
-    y = y[inverse]                                                        # [pairs, out] in the pairs' order
-    if c:
-        slot = jnp.arange(c)
-        taken = slot < sizes[:, None]                                     # [experts, c]: a real row in the slot
-        source = jnp.where(taken, starts[:, None] + slot, pairs)          # its sorted row; padding reads zeros
-        batched = every(rows[source]).reshape(experts * c, -1)
-        rank = inverse - starts[flat]                                     # each pair's place in its expert's rows
-        within = rank < c
-        y = jnp.where(within.reshape((-1,) + (1,) * (y.ndim - 1)),
-                      batched[jnp.where(within, flat * c + rank, 0)].reshape(y.shape), y)
-    return y.reshape(tokens, k, *out.shape[1:])
+    return y[inverse].reshape(tokens, k, *out.shape[1:])
 
 
 def tile_rows(pairs: int, experts: int) -> int:
