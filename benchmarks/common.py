@@ -375,6 +375,35 @@ def text_benchmark(family, make_config, name: str, vocab: int, states, read_what
     print_table(f"{versions()}; batch {BATCH} x {SEQ} tokens, float32", rows)
 
 
+def forward_flops(config, batch: int = BATCH, seq: int = SEQ) -> float:
+    """The matrix products' FLOPs of one causal-LM forward of ``config`` (a transformers text config: Llama-like
+    attention, a gated MLP or a mixture of experts) on ``[batch, seq]`` tokens, as the program computes them:
+    ``2 · m · n · k`` for each product — q, k, v, o projections; the scores and the mix over the whole
+    ``seq × seq`` square (the kernels compute the masked half too); the gated MLP's three products, or for a
+    mixture of experts each token's ``top_k`` experts (three products each) and the router; the LM head. Norms,
+    softmax, rotary and the routing's sort are not counted: they are the overhead the share of the peak measures."""
+    hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or hidden // heads
+    tokens = batch * seq
+    attention = 2 * tokens * hidden * dim * (2 * heads + 2 * kv) + 2 * 2 * batch * heads * seq * seq * dim
+    experts = getattr(config, "num_experts", None)
+    if experts:
+        mlp = 2 * tokens * (3 * hidden * config.moe_intermediate_size * config.num_experts_per_tok + hidden * experts)
+    else:
+        mlp = 2 * tokens * 3 * hidden * config.intermediate_size
+    return layers * (attention + mlp) + 2 * tokens * hidden * vocab
+
+
+def peak_row(flops: float, seconds: float, what: str) -> tuple[str, str, str]:
+    """The table row of a program's share of the dot peak measured at this run's start (``quiet.measured_peak``):
+    ``flops`` (``forward_flops``) in ``seconds``."""
+    peak = quiet.measured_peak()
+    return (f"{what}: share of XLA's float32 dot peak (measured at this run's start)", f"{flops / seconds / peak:.0%}",
+            f"{flops / 1e9:.1f} GFLOP of matrix products in {seconds * 1e3:.0f} ms = {flops / seconds / 1e9:.0f} "
+            f"GFLOP/s; dot peak {peak / 1e9:.0f} GFLOP/s")
+
+
 def run_json(code: str) -> dict:
     """Run ``code`` in a fresh python process; return the JSON object its last output line prints."""
     import json

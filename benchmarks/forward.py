@@ -4,7 +4,9 @@ The model: an 8-block, 512-wide Llama (8 heads over 4 kv heads, intermediate
 1408, vocab 8192), batch 4 x 256 tokens, float32 on the CPU; torch runs
 transformers' model with sdpa attention (eager where the family refuses sdpa:
 Gemma 2) in the same process. Prints a
-markdown table of ratios (paste into docs/benchmarks.md).
+markdown table of ratios (paste into docs/benchmarks.md), with each side's share of the dot peak measured at the
+run's start (``common.forward_flops``: 61.2 GFLOP of matrix products a Llama forward here; at 200 GFLOP/s, 80% is
+383 ms).
 
     python benchmarks/forward.py [--repeats 7] [--family llama]
     python benchmarks/forward.py --families mistral,qwen2,...   # throughput ratios only, each beside Llama's
@@ -22,7 +24,7 @@ import sys
 from pathlib import Path
 
 import common
-from common import forward_timings, print_table, repeats_parser, text_checkpoint, versions
+from common import forward_flops, forward_timings, peak_row, print_table, repeats_parser, text_checkpoint, versions
 
 SIZE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4, vocab_size=8192,
             max_position_embeddings=1024, rms_norm_eps=1e-5)
@@ -112,6 +114,8 @@ def main():
     rows = [
         (f"forward throughput, logits only (jstd / torch {t['attention']})", f"{t_torch / t_jstd:.2f}x",
          f"jstd {tok_s(t_jstd):,.0f} tok/s, torch {tok_s(t_torch):,.0f} tok/s"),
+        peak_row(forward_flops(make(8)), t_jstd, "jstd forward, logits only"),
+        peak_row(forward_flops(make(8)), t_torch, "torch forward"),
         ("reading every residual-stream site of every block (overhead over logits only)",
          f"{(t_reads / t_jstd - 1) * 100:+.1f}%", f"{t_reads * 1e3:.1f} ms vs {t_jstd * 1e3:.1f} ms"),
         ("compile time, 32 blocks / 4 blocks", f"{c32 / c4:.2f}x", f"{c32:.2f} s vs {c4:.2f} s"),

@@ -110,6 +110,18 @@ def _mark(line: str) -> str:
     return line
 
 
+PEAK: float | None = None  # the dot peak guard() measured at the start of this run (FLOP/s), for the tables' "% of peak"
+
+
+def measured_peak() -> float:
+    """The dot peak measured at this run's start by ``guard`` (once more now if it did not run), in FLOP/s: what a
+    benchmark's "% of the dot peak" divides by, so the share and the peak printed on the first line agree."""
+    global PEAK
+    if PEAK is None:
+        PEAK = dot_peak()
+    return PEAK
+
+
 def dot_peak(n: int = 2048, repeats: int = 7) -> float:
     """XLA's float32 ``n``³ product on the default backend, in FLOP/s (best of ``repeats``): the machine's dot peak
     that every table's figures are read against."""
@@ -133,15 +145,16 @@ def guard(argv: list[str] | None = None) -> bool:
     in ``argv`` (default ``sys.argv``, from which the flag is removed), print the load and the busy processes to
     stderr and exit (status 3); busy with it, say so, mark every table row printed from now on "busy" and return
     True."""
-    global BUSY
+    global BUSY, PEAK
     argv = sys.argv if argv is None else argv
     allow = FLAG in argv
     while FLAG in argv:
         argv.remove(FLAG)
     load, others = load_average(), busy_processes()
     if load <= MAX_LOAD and not others:
+        PEAK = dot_peak()
         print(f"quiet machine: 1-minute load average {load:.2f}, no other process on a core; XLA's float32 2048³ "
-              f"dot peak {dot_peak() / 1e9:.0f} GFLOP/s")
+              f"dot peak {PEAK / 1e9:.0f} GFLOP/s")
         return False
     what = f"1-minute load average {load:.2f} (at most {MAX_LOAD})" + "".join(
         f"; pid {pid} ({name}) uses {cores:.2f} of a core" for pid, name, cores in others[:8])
@@ -149,9 +162,9 @@ def guard(argv: list[str] | None = None) -> bool:
         print(f"the machine is busy: {what}. Benchmarks print figures only from a quiet machine; wait, or pass "
               f"{FLAG} to measure anyway with every row marked busy", file=sys.stderr)
         sys.exit(3)
-    BUSY = True
+    BUSY, PEAK = True, dot_peak()
     print(f"BUSY (measured with {FLAG}): {what}; every row below is marked busy and is not a figure; XLA's "
-          f"float32 2048³ dot {dot_peak() / 1e9:.0f} GFLOP/s (busy)")
+          f"float32 2048³ dot {PEAK / 1e9:.0f} GFLOP/s (busy)")
     sys.stdout.flush()
     sys.stdout = _Marked(sys.stdout)
     return True

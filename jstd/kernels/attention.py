@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jstd.kernels.platform import platform
 from jstd.kernels.softcap import softcap as capped
 
 
@@ -219,6 +220,38 @@ def fused(
         return mix(sink_probabilities(scores(q, k, scale, mask, options), sinks)[0], v)
     if not options.plain:
         return mix(probabilities(scores(q, k, scale, mask, options)).astype(v.dtype), v)
-    t = lambda x: jnp.swapaxes(x, 1, 2)
     bias = None if options.alibi is None else alibi_bias(options.alibi, mask, q.dtype)
+    if platform() == "cpu":
+        return grouped(q, k, v, scale, mask, bias)
+    t = lambda x: jnp.swapaxes(x, 1, 2)
     return jax.nn.dot_product_attention(t(q), t(k), t(v), bias=bias, mask=mask, scale=scale)
+
+
+def grouped(
+    q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], v: Float[Array, "batch kv_heads k dim"],
+    scale: float, mask: Bool[Array, "batch 1 q k"] | None, bias: Float[Array, "batch heads q k"] | None = None,
+) -> Float[Array, "batch q heads dim"]:
+    """``jax.nn.dot_product_attention``'s XLA computation (float32 logits from the inputs' dtype, scaled, plus
+    ``bias``, masked entries set to ``-0.7 · max``, softmax in float32, probabilities cast to the keys' dtype, times
+    the values), laid out for the CPU: each key/value head's query heads are one matrix of ``group · q`` rows
+    (``q`` as it comes, head-major: a free reshape), so both products are plain batched matrix products over
+    ``[batch, kv_heads]`` in the arrays' own layout, and the softmax runs over contiguous rows; only the output is
+    transposed to ``[batch, q, heads, dim]``. (JAX's own runs the products once per query head of a group and
+    transposes the queries, the probabilities and the output around them.)"""
+    b, h, t, d = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    g = h // kv
+    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    precision = {jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+                 jnp.dtype(jnp.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32}.get(jnp.dtype(q.dtype))
+    logits = jnp.einsum("bkqd,bksd->bkqs", q.reshape(b, kv, g * t, d), k, precision=precision,
+                        preferred_element_type=dtype).reshape(b, kv, g, t, s)
+    logits = logits * jnp.asarray(scale, dtype)
+    if bias is not None:
+        logits = (logits + bias.reshape(-1, kv, g, t, s)).astype(dtype)
+    if mask is not None:
+        negative = -0.7 * min(float(jnp.finfo(dtype).max), float(jnp.finfo(jnp.float32).max))
+        logits = jnp.where(mask[:, :, None], logits, jnp.asarray(negative, dtype))
+    p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(k.dtype)
+    out = jnp.einsum("bkqs,bksd->bkqd", p.reshape(b, kv, g * t, s), v)
+    return jnp.swapaxes(out.reshape(b, h, t, v.shape[-1]), 1, 2)

@@ -145,9 +145,8 @@ class Attention(eqx.Module):
                 ) -> Float[Array, "batch heads seq head_dim"]:
         """``x`` projected into heads by ``w`` (plus ``b``), normed by ``norm`` (per head when it is one head wide,
         else over the whole projection), head-major."""
-        if norm is None and x.shape[1] > 1:  # head-major straight out of the product
-            y = jnp.einsum("bte,ehd->bhtd", x, w)
-            return y if b is None else y + b[None, :, None, :]
+        # a flat product, then the heads moved forward (one small transpose the next op fuses): an einsum straight
+        # into head-major lets XLA:CPU multiply transposed, copying both the input and the output
         y = flat_product(x, w)  # [batch, seq, heads, head_dim]; one position (a decoding step): see flat_product
         y = y if b is None else y + b
         if norm is None:
