@@ -332,3 +332,32 @@ def test_the_budget_counts_the_float32_copies_of_bfloat16_weights():
     assert copies <= held < 2 * copies, (copies, held)
     cache_and_logits = preallocated_bytes(models["float32"], *tokens.shape, NEW) - float32_copies(models["float32"])
     assert preallocated_bytes(models["bfloat16"], *tokens.shape, NEW) >= copies + cache_and_logits // 2
+
+
+def test_a_sweep_without_eos_runs_one_unbatched_loop():
+    """Under ``jax.vmap`` (a sweep of strengths) with ``eos_token_id=()`` no row can stop, and the decoding loop's
+    predicate is the step count alone, not batched: a batched predicate makes every step select each row's whole
+    carry (the logits buffer, the cache). With EOS ids the rows may stop apart, and the predicate is batched."""
+    model = jstd.load(ASSET)
+    tokens = np.random.default_rng(9).integers(1, model.config.vocab_size, (1, PROMPT))
+    v = jnp.ones(model.config.hidden_size)
+
+    def predicates(eos):
+        steer = lambda s: jstd.generate(model, tokens, [jstd.Add("layers.layer_output", s * v, layer=1)],
+                                        max_new_tokens=NEW, eos_token_id=eos)
+        jaxpr = jax.make_jaxpr(jax.vmap(steer))(jnp.linspace(0.0, 1.0, 3)).jaxpr
+        found = []
+
+        def walk(j):
+            for e in j.eqns:
+                if e.primitive.name == "while":
+                    found.append(e.params["cond_jaxpr"].jaxpr.outvars[0].aval.shape)
+                for sub in e.params.values():
+                    inner = getattr(sub, "jaxpr", None)
+                    if inner is not None:
+                        walk(getattr(inner, "jaxpr", inner))
+        walk(jaxpr)
+        return found
+
+    assert predicates(()) == [()]
+    assert predicates(None) == [(3,)]
