@@ -299,3 +299,65 @@ def test_the_decoding_loop_reads_every_weight_where_it_lies(zoo, name):
             made.append(line.strip()[:160])  # a whole weight's worth made from a weight (kCustom: a library dot)
     assert held, "no weight found in the decoding loop"
     assert not made, "the decoding loop copies weights:\n" + "\n".join(made)
+
+
+def test_the_budget_counts_the_float32_copies_of_bfloat16_weights():
+    """XLA:CPU has no bfloat16 one-row product: it converts each weight to float32 and multiplies that, the
+    conversion hoisted out of the decoding loop, so a bfloat16 model's generate holds float32 copies of its weights
+    for the call, beside the prefill's own. The budget (``preallocated_bytes``, checked before compiling) counts
+    two copies of every such weight: the compiled program's temporary memory really holds at least that much
+    more than the float32 model's program (which holds none), and not twice more."""
+    import importlib
+
+    from jstd.generate.budget import float32_copies, preallocated_bytes
+
+    loop = importlib.import_module("jstd.generate.loop")  # the module whose _jit_generate generate calls
+    real, temp = loop._jit_generate, {}
+    models = {dtype: jstd.load(ASSET, dtype=getattr(jnp, dtype)) for dtype in ("float32", "bfloat16")}
+    tokens, mask = left_padded(models["float32"], seed=8)
+    for dtype, model in models.items():
+        def spy(dynamic, structure, static, dtype=dtype):
+            temp[dtype] = real.lower(dynamic, structure, static).compile().memory_analysis().temp_size_in_bytes
+            return real(dynamic, structure, static)
+
+        loop._jit_generate = spy
+        try:
+            jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=())
+        finally:
+            loop._jit_generate = real
+    weights = sum(x.size for x in jax.tree.leaves(models["bfloat16"].decoder) if getattr(x, "ndim", 0) >= 2)
+    copies = float32_copies(models["bfloat16"])
+    assert float32_copies(models["float32"]) == 0 and copies == 2 * 4 * weights
+    held = temp["bfloat16"] - temp["float32"]
+    assert copies <= held < 2 * copies, (copies, held)
+    cache_and_logits = preallocated_bytes(models["float32"], *tokens.shape, NEW) - float32_copies(models["float32"])
+    assert preallocated_bytes(models["bfloat16"], *tokens.shape, NEW) >= copies + cache_and_logits // 2
+
+
+def test_a_sweep_without_eos_runs_one_unbatched_loop():
+    """Under ``jax.vmap`` (a sweep of strengths) with ``eos_token_id=()`` no row can stop, and the decoding loop's
+    predicate is the step count alone, not batched: a batched predicate makes every step select each row's whole
+    carry (the logits buffer, the cache). With EOS ids the rows may stop apart, and the predicate is batched."""
+    model = jstd.load(ASSET)
+    tokens = np.random.default_rng(9).integers(1, model.config.vocab_size, (1, PROMPT))
+    v = jnp.ones(model.config.hidden_size)
+
+    def predicates(eos):
+        steer = lambda s: jstd.generate(model, tokens, [jstd.Add("layers.layer_output", s * v, layer=1)],
+                                        max_new_tokens=NEW, eos_token_id=eos)
+        jaxpr = jax.make_jaxpr(jax.vmap(steer))(jnp.linspace(0.0, 1.0, 3)).jaxpr
+        found = []
+
+        def walk(j):
+            for e in j.eqns:
+                if e.primitive.name == "while":
+                    found.append(e.params["cond_jaxpr"].jaxpr.outvars[0].aval.shape)
+                for sub in e.params.values():
+                    inner = getattr(sub, "jaxpr", None)
+                    if inner is not None:
+                        walk(getattr(inner, "jaxpr", inner))
+        walk(jaxpr)
+        return found
+
+    assert predicates(()) == [()]
+    assert predicates(None) == [(3,)]

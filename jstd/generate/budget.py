@@ -1,12 +1,13 @@
 """What a generation may ask for, checked before anything compiles: ``max_new_tokens`` a positive int, every
-position it runs inside a learned position table (GPT-2's ``n_positions``), and the buffers preallocated for the whole sequence (the cache's keys and values, each step's logits) within the free
-memory of the devices that hold the model."""
+position it runs inside a learned position table (GPT-2's ``n_positions``), and the buffers preallocated for the whole sequence (the cache's keys and values, each step's logits; on the CPU, the float32 copies of lower-precision
+weights) within the free memory of the devices that hold the model."""
 
 from __future__ import annotations
 
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -34,10 +35,11 @@ def check_positions(model, prompt: int, new: int) -> None:
 
 def preallocated_bytes(model, batch: int, prompt: int, new: int) -> int:
     """The bytes a generation of ``new`` tokens after a ``[batch, prompt]`` prompt preallocates: the softmax
-    blocks' keys and values over ``prompt + new`` positions, the step logits (kept, then returned) and the token
-    ids."""
+    blocks' keys and values over ``prompt + new`` positions, the step logits (kept, then returned), the token
+    ids, and on the CPU two float32 copies of every lower-precision (bfloat16, float16) weight a product reads
+    (``float32_copies``)."""
     c = model.config
-    leaves = [x for x in jax.tree.leaves(model.decoder) if hasattr(x, "dtype") and np.issubdtype(x.dtype, np.floating)]
+    leaves = [x for x in jax.tree.leaves(model.decoder) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
     itemsize = np.dtype(leaves[0].dtype).itemsize if leaves else 4
     total = prompt + new
     layout = getattr(model, "attention_cache", None)
@@ -49,7 +51,24 @@ def preallocated_bytes(model, batch: int, prompt: int, new: int) -> int:
     per_position = len(model.layers_with("self_attn")) * width
     cache = per_position * batch * total * itemsize
     logits = 2 * new * batch * (c.vocab_size or 0) * max(itemsize, 4)
-    return int(cache + logits + batch * total * 4)
+    return int(cache + logits + batch * total * 4 + float32_copies(model))
+
+
+def float32_copies(model) -> int:
+    """The bytes of the float32 copies XLA:CPU keeps of ``model``'s lower-precision weights during a
+    ``generate`` call: it has no bfloat16 (or float16) one-row product, so it converts each weight to float32 and
+    multiplies that; in the decoding loop the conversion does not change from step to step, so XLA hoists it out
+    of the loop and the copy lives for the whole call, beside the prefill's own converted copy. Two float32 copies
+    of every floating array of two or more axes of the decoder below float32, the embedding table included (the
+    loop's token lookup converts the whole table): the compiled program's temporary memory grows by 2.2 times
+    the float32 bytes on the benchmark model and on tiny-llama. 0 off the CPU (accelerators multiply bfloat16 as
+    it is stored) and for float32 weights."""
+    decoder = model.decoder
+    arrays = [x for x in jax.tree.leaves(decoder) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+    if not arrays or any(d.platform != "cpu" for x in arrays for d in x.devices()):
+        return 0
+    low = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4 and x.ndim >= 2
+    return int(sum(2 * x.size * 4 for x in arrays if low(x)))
 
 
 def free_bytes(model) -> tuple[int, str] | None:

@@ -284,7 +284,10 @@ def _decoding_loop(model, stepper, inputs: Inputs, edits, sampling, key, eos, pa
         return i + 1, done | stopped(chosen), sequence, logits, kept, cache
 
     def going(carry):
-        return (carry[0] < new) & ~carry[1].all()
+        # no EOS id: no row stops, and the step count alone decides, so that under jax.vmap (a sweep) the loop's
+        # predicate is not batched: a batched one makes every step select each row's whole carry (the logits
+        # buffer, the cache) between its new and old value
+        return carry[0] < new if eos.shape[0] == 0 else (carry[0] < new) & ~carry[1].all()
 
     carry = (jnp.asarray(1, jnp.int32), stopped(token0), sequence, logits, kept, cache)
     _, _, sequence, logits, kept, _ = jax.lax.while_loop(going, body, carry)
