@@ -8,7 +8,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 # against torch's, pass at both levels).
 # XLA:CPU's older fusion emitters compile these programs in about half the CPU time of the newer ones (the fusions
 # are the same; the code inside them is emitted differently), again at most a rounding apart.
-FAST_COMPILE = " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+FAST_COMPILE = (" --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+                " --xla_cpu_use_fusion_emitters=false")  # (tests/multihost.py's children compile with the same)
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += FAST_COMPILE
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

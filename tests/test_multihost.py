@@ -40,6 +40,7 @@ PROCESSES = 2
 # rounding along); the values read inside the model and the gradients within 1e-5 of their own scale (the suite's
 # float32 bound; measured: at most 2.2e-6); token ids exactly
 TOLERANCE = 1e-6
+COLLECT_TOLERANCE = 3e-6  # measured 1.3e-6 of the scale (an activation's, ~36) between the two programs
 DELTANET_TOLERANCE = {"olmo_hybrid-rotary_grouped": 3e-6}
 READS_TOLERANCE = 1e-5
 
@@ -175,7 +176,8 @@ def assert_same_rows(got, want) -> None:
     for name in ("document", "position", "token"):
         np.testing.assert_array_equal(getattr(got.rows, name), getattr(want.rows, name), err_msg=name)
     for site in want.sites:
-        compare(got.read(site), want.read(site), f"collect {site}")
+        # (the single collection is this process's program, the parts two processes': a few roundings apart)
+        compare(got.read(site), want.read(site), f"collect {site}", tolerance=COLLECT_TOLERANCE)
 
 
 def test_script_on_two_processes(tmp_path):
