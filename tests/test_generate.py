@@ -254,31 +254,37 @@ def _decoding_loop(hlo: str, carried: str) -> list[str]:
     return found
 
 
+def compiled_generate(model, tokens, mask):
+    """The compiled program of ``jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW,
+    eos_token_id=())``, which this runs once."""
+    import importlib
+
+    loop = importlib.import_module("jstd.generate.loop")  # the module whose _jit_generate generate calls
+    real, compiled = loop._jit_generate, []
+
+    def spy(dynamic, structure, static):
+        compiled.append(real.lower(dynamic, structure, static).compile())
+        return real(dynamic, structure, static)
+
+    loop._jit_generate = spy
+    try:
+        jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=())
+    finally:
+        loop._jit_generate = real
+    return compiled[-1]
+
+
 @pytest.mark.parametrize("name", families.TEXT_MAIN)
 def test_the_decoding_loop_reads_every_weight_where_it_lies(zoo, name):
     """No instruction of the compiled decoding loop but a product makes a block weight's worth of data out of a
     weight: each step reads the weights as stored (no copy out of the stacked arrays, no transposed copy for a
     product)."""
-    import importlib
     import re
 
-    generate = importlib.import_module("jstd.generate.loop")  # the module whose _jit_generate generate calls
     _, _, model, _, _ = zoo(name)
     tokens, mask = left_padded(model, seed=6)
-    compiled = {}
-    real = generate._jit_generate
-
-    def spy(dynamic, structure, static):
-        compiled["hlo"] = real.lower(dynamic, structure, static).compile().as_text()
-        return real(dynamic, structure, static)
-
-    generate._jit_generate = spy
-    try:
-        jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=())
-    finally:
-        generate._jit_generate = real
     vocab = model.config.vocab_size
-    loop = _decoding_loop(compiled["hlo"], f"f32[{NEW},{tokens.shape[0]},{vocab}]")
+    loop = _decoding_loop(compiled_generate(model, tokens, mask).as_text(), f"f32[{NEW},{tokens.shape[0]},{vocab}]")
     # the weights in the loop: its state's entries of a product weight's shape, per block or stacked (and bitcasts
     # of them; the DeltaNet convolutions' are read elementwise, in place, and per-head biases [heads, head_dim] are
     # added to a product's output, which is no copy of them)
@@ -307,24 +313,12 @@ def test_the_budget_counts_the_float32_copies_of_bfloat16_weights():
     for the call, beside the prefill's own. The budget (``preallocated_bytes``, checked before compiling) counts
     two copies of every such weight: the compiled program's temporary memory really holds at least that much
     more than the float32 model's program (which holds none), and not twice more."""
-    import importlib
-
     from jstd.generate.budget import float32_copies, preallocated_bytes
 
-    loop = importlib.import_module("jstd.generate.loop")  # the module whose _jit_generate generate calls
-    real, temp = loop._jit_generate, {}
     models = {dtype: jstd.load(ASSET, dtype=getattr(jnp, dtype)) for dtype in ("float32", "bfloat16")}
     tokens, mask = left_padded(models["float32"], seed=8)
-    for dtype, model in models.items():
-        def spy(dynamic, structure, static, dtype=dtype):
-            temp[dtype] = real.lower(dynamic, structure, static).compile().memory_analysis().temp_size_in_bytes
-            return real(dynamic, structure, static)
-
-        loop._jit_generate = spy
-        try:
-            jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=())
-        finally:
-            loop._jit_generate = real
+    temp = {dtype: compiled_generate(model, tokens, mask).memory_analysis().temp_size_in_bytes
+            for dtype, model in models.items()}
     weights = sum(x.size for x in jax.tree.leaves(models["bfloat16"].decoder) if getattr(x, "ndim", 0) >= 2)
     copies = float32_copies(models["bfloat16"])
     assert float32_copies(models["float32"]) == 0 and copies == 2 * 4 * weights
