@@ -7,7 +7,7 @@ of the total, by op (its shape and kind) and summed by the jstd source lines tha
 stack frames: innermost jstd frame, then its caller). Also: the compiled program's optimised HLO is written to
 ``--hlo`` when given.
 
-    python benchmarks/profile.py [--model moe|llama] [--runs 3] [--top 40] [--hlo out.txt]
+    python benchmarks/op_profile.py [--model moe|llama] [--runs 3] [--top 40] [--hlo out.txt]
 
 Shares within one trace are comparable with each other even on a loaded machine (every op slows alike, roughly);
 the absolute times are not figures. Read an op's rate against the LM head's (``CausalLM.head``: the program's
