@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jstd.kernels.platform import platform
+from jstd.kernels.rounding import times
 from jstd.kernels.softcap import softcap as capped
 
 
@@ -163,9 +164,10 @@ def scores(
     mask: Bool[Array, "batch 1 q k"] | None, options: ScoreOptions | None = PLAIN,
 ) -> Float[Array, "batch heads q k"]:
     """scale · q·kᵀ as ``options`` make it (soft-capped, plus ALiBi's bias, float32 products), masked entries set
-    to the dtype's minimum (as transformers' eager attention); ``mask`` None attends everywhere (a vision tower).
-    ``options`` None is ``PLAIN``; TypeError for anything else but a ``ScoreOptions`` (the record replaced the
-    positional ``softcap`` / ``alibi`` arguments)."""
+    to the dtype's minimum (as transformers' eager attention). The product is rounded to the inputs' dtype, then
+    multiplied by ``scale`` in float32 and rounded once more (torch's tensor times a Python float). ``mask`` None
+    attends everywhere (a vision tower). ``options`` None is ``PLAIN``; TypeError for anything else but a
+    ``ScoreOptions`` (the record replaced the positional ``softcap`` / ``alibi`` arguments)."""
     options = checked_options(options)
     if options.float32_scores:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
@@ -173,7 +175,9 @@ def scores(
     b, h, t, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, h // kv, t, d)
-    s = jnp.einsum("bkgqd,bksd->bkgqs", qg, k).reshape(b, h, t, k.shape[2]) * jnp.asarray(scale, q.dtype)
+    # torch's product times a Python float: in float32, rounded once (rounding the scale to bf16 first differs
+    # where it is no power of two: head_dim 24, 80, 96, Gemma 2's query_pre_attn_scalar)
+    s = times(jnp.einsum("bkgqd,bksd->bkgqs", qg, k).reshape(b, h, t, k.shape[2]), scale)
     s = capped(s, softcap)
     if alibi is not None:
         s = s + alibi_bias(alibi, mask, s.dtype)
