@@ -80,9 +80,10 @@ def image_prompt(model, prompt, tokens: Callable[[np.ndarray], np.ndarray]):
     if inputs.attention_mask is not None:
         ids = ids[np.asarray(inputs.attention_mask).reshape(-1).astype(bool)]
     ids = tokens(ids)
-    prompt = ImagePrompt(jnp.asarray(ids[None], jnp.int32), None, inputs.images, inputs.layout)
-    type(model).check_inputs(model, prompt)  # the image tokens against the images: the wrapper's ValueError
     positions = np.flatnonzero(ids == model.image_token_id)
+    prompt = ImagePrompt(jnp.asarray(ids[None], jnp.int32), None, inputs.images, inputs.layout,
+                         jnp.asarray(positions, jnp.int32))
+    type(model).check_inputs(model, prompt)  # the image tokens against the images: the wrapper's ValueError
     counts = model.image_token_counts(prompt)
     if sum(counts) != len(positions):  # (check_inputs has compared the total: a wrapper's count is wrong)
         raise ValueError(f"attribute: {model.family} labels {sum(counts)} image tokens but the prompt holds "
@@ -90,8 +91,7 @@ def image_prompt(model, prompt, tokens: Callable[[np.ndarray], np.ndarray]):
     patches = np.full((len(ids), 2), -1, np.int64)
     patches[positions, 0] = np.repeat(np.arange(len(counts)), counts)
     patches[positions, 1] = np.concatenate([np.arange(c) for c in counts]) if counts else []
-    return ids, ImagePrompt(prompt.tokens, None, prompt.images, prompt.layout, jnp.asarray(positions, jnp.int32)), \
-        patches
+    return ids, prompt, patches
 
 
 def with_features(model, prompt: ImagePrompt, embeddings: Float[Array, "batch seq hidden"]):
