@@ -48,6 +48,19 @@ class ImagePrompt(Inputs):
     def shape(self) -> tuple[int, int]:
         return self.tokens.shape
 
+    @property
+    def cuttable(self) -> bool:
+        """False: a prompt with images is never cut to its first positions (``cuttable``): that would cut image
+        tokens from their images, and Gemma 3's bidirectional blocks."""
+        return False
+
+
+def cuttable(prompt) -> bool:
+    """Whether ``attribute`` may run ``prompt`` (token ids ``[1, N]`` or an ``ImagePrompt``) cut to its first ``P``
+    positions for targets before ``P`` (a causal model: nothing later reaches them): token ids may; an
+    ``ImagePrompt`` says (``ImagePrompt.cuttable``)."""
+    return prompt.cuttable if isinstance(prompt, ImagePrompt) else True
+
 
 def has_images(prompt) -> bool:
     """Whether ``prompt`` (anything ``attribute`` takes) carries images: a ``jstd.Inputs`` with images, or a
