@@ -165,7 +165,8 @@ def scores(
 ) -> Float[Array, "batch heads q k"]:
     """scale · q·kᵀ as ``options`` make it (soft-capped, plus ALiBi's bias, float32 products), masked entries set
     to the dtype's minimum (as transformers' eager attention). The product is rounded to the inputs' dtype, then
-    multiplied by ``scale`` in float32 and rounded once more (torch's tensor times a Python float). ``mask`` None
+    multiplied by ``scale`` in float32 and rounded once more (torch's tensor times a Python float); with ALiBi,
+    ``scale · q·kᵀ + bias`` is computed in float32 and rounded once (BLOOM's ``baddbmm``). ``mask`` None
     attends everywhere (a vision tower). ``options`` None is ``PLAIN``; TypeError for anything else but a
     ``ScoreOptions`` (the record replaced the positional ``softcap`` / ``alibi`` arguments)."""
     options = checked_options(options)
@@ -175,12 +176,15 @@ def scores(
     b, h, t, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, h // kv, t, d)
-    # torch's product times a Python float: in float32, rounded once (rounding the scale to bf16 first differs
-    # where it is no power of two: head_dim 24, 80, 96, Gemma 2's query_pre_attn_scalar)
-    s = times(jnp.einsum("bkgqd,bksd->bkgqs", qg, k).reshape(b, h, t, k.shape[2]), scale)
-    s = capped(s, softcap)
-    if alibi is not None:
-        s = s + alibi_bias(alibi, mask, s.dtype)
+    product = lambda dtype=None: jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=dtype
+                                            ).reshape(b, h, t, k.shape[2])
+    if alibi is None:
+        # torch's product times a Python float: in float32, rounded once (rounding the scale to bf16 first differs
+        # where it is no power of two: head_dim 24, 80, 96, Gemma 2's query_pre_attn_scalar)
+        s = capped(times(product(), scale), softcap)
+    else:  # BLOOM's baddbmm: scale · q·kᵀ plus the (rounded) bias in float32, rounded once
+        s = capped(product(jnp.float32) * jnp.float32(scale), softcap)
+        s = (s + alibi_bias(alibi, mask, q.dtype).astype(jnp.float32)).astype(q.dtype)
     return s if mask is None else jnp.where(mask, s, jnp.finfo(s.dtype).min)
 
 
