@@ -100,3 +100,25 @@ def test_bfloat16_scores(zoo, name):
     a, b = np.asarray(jit_run(model, inputs, edits, reads=(site,))[site], np.float32), want[site]
     assert ((a < -1e30) == (b < -1e30)).all(), f"{name}: masks other entries than torch"
     assert_bf16_exact(np.where(b < -1e30, 0, a), np.where(b < -1e30, 0, b), f"{name}: {site}")
+
+
+def test_bfloat16_scaled_queries_are_opts():
+    """OPT's order (``ScoreOptions.scaled_queries``: its queries leave ``q_proj`` scaled) against torch's in bf16 at
+    OPT-2.7B's head_dim 80 (the scale no power of two): the scores are ``matmul(q · s, kᵀ)`` bit for bit (not the
+    product scaled after), and the fused path is torch's ``scaled_dot_product_attention`` of the scaled queries at
+    scale 1 (as transformers' sdpa path calls it)."""
+    import torch
+
+    from jstd.kernels import attention as attn_kernels
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 4, 9, 80)).astype(np.float32) for _ in range(3))
+    tq, tk, tv = (torch.tensor(x).bfloat16() for x in (q, k, v))
+    jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    scale, opt = 80 ** -0.5, attn_kernels.ScoreOptions(scaled_queries=True)
+    want = torch.matmul(tq * scale, tk.transpose(2, 3)).float().numpy()
+    assert_bf16_exact(attn_kernels.scores(jq, jk, scale, None, opt), want, "OPT's scores")
+    causal = jnp.tril(jnp.ones((9, 9), bool))[None, None]
+    want = torch.nn.functional.scaled_dot_product_attention(tq * scale, tk, tv, is_causal=True, scale=1.0)
+    got = attn_kernels.fused(jq, jk, jv, scale, causal, opt)  # [batch, q, heads, dim]
+    assert relative_rms(np.asarray(got, np.float32), want.transpose(1, 2).float().numpy()) < 1e-2

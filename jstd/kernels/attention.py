@@ -43,17 +43,28 @@ class ScoreOptions:
     ``softcap`` (Gemma 2): ``tanh(s / cap) · cap`` of the scaled product, before the mask. ``alibi`` (BLOOM): ALiBi
     slopes, one a head: ``alibi_bias`` added before the mask. ``float32_scores`` (GPT-Neo, GPT-J): queries and keys
     cast to float32 before the product (the scores are float32 whatever the model's dtype; the caller casts the
-    probabilities to the values' dtype). The default is none of them: the plain scaled product."""
+    probabilities to the values' dtype). ``scaled_queries`` (OPT): the queries multiplied by the scale (in float32,
+    rounded to their dtype) before an unscaled product, as OPT scales ``q_proj``'s output (in bfloat16 not the
+    product scaled after). The default is none of them: the plain scaled product."""
 
     softcap: float | None = None
     alibi: tuple[float, ...] | None = None
     float32_scores: bool = False
+    scaled_queries: bool = False
 
     @property
     def plain(self) -> bool:
         """Whether ``jax.nn.dot_product_attention`` computes these scores (no cap, no float32 product; ALiBi
         goes in as its ``bias``)."""
         return self.softcap is None and not self.float32_scores
+
+    def queries(self, q: Float[Array, "batch heads q dim"], scale: float
+                ) -> tuple[Float[Array, "batch heads q dim"], float, "ScoreOptions"]:
+        """``(q, scale, options)`` as the product takes them: with ``scaled_queries``, the queries scaled (float32,
+        rounded once: torch's tensor times a Python float), scale 1 and the option spent; else unchanged."""
+        if not self.scaled_queries:
+            return q, scale, self
+        return times(q, scale), 1.0, dataclasses.replace(self, scaled_queries=False)
 
 
 PLAIN = ScoreOptions()
@@ -66,7 +77,8 @@ def checked_options(options: ScoreOptions | None) -> ScoreOptions:
         return PLAIN
     if not isinstance(options, ScoreOptions):
         raise TypeError(f"the attention kernels take their score options as one kernels.attention.ScoreOptions "
-                        f"record (softcap=, alibi=, float32_scores=), got {type(options).__name__} {options!r}")
+                        f"record (softcap=, alibi=, float32_scores=, scaled_queries=), got {type(options).__name__} "
+                        f"{options!r}")
     return options
 
 
@@ -169,7 +181,7 @@ def scores(
     ``scale · q·kᵀ + bias`` is computed in float32 and rounded once (BLOOM's ``baddbmm``). ``mask`` None
     attends everywhere (a vision tower). ``options`` None is ``PLAIN``; TypeError for anything else but a
     ``ScoreOptions`` (the record replaced the positional ``softcap`` / ``alibi`` arguments)."""
-    options = checked_options(options)
+    q, scale, options = checked_options(options).queries(q, scale)
     if options.float32_scores:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     softcap, alibi = options.softcap, options.alibi
@@ -223,7 +235,7 @@ def fused(
     ``bias``); with ``sinks`` or options that kernel has no place for (``ScoreOptions.plain`` false) the explicit
     computation, unmaterialized, the probabilities cast to the values' dtype after the softmax. ``options`` as
     ``scores``'."""
-    options = checked_options(options)
+    q, scale, options = checked_options(options).queries(q, scale)
     if sinks is not None:
         return mix(sink_probabilities(scores(q, k, scale, mask, options), sinks)[0], v)
     if not options.plain:
