@@ -236,3 +236,28 @@ def test_image_tokens_are_labelled_by_image_and_patch(name, tmp_path):
     np.testing.assert_array_equal(patches[image, 0], np.repeat(np.arange(len(counts)), counts))
     np.testing.assert_array_equal(patches[image, 1], np.concatenate([np.arange(c) for c in counts]))
     assert (patches[ids != IMAGE_TOKEN] == -1).all()
+
+
+def test_image_tokens_have_a_key_each_in_aggregated_edges(built):
+    """``node_keys``: an image token's key is its image and patch (as ``Graph.input_label`` labels it), not the one
+    image token id, so edges from two patches of an image stay two rows of ``aggregate_edges``."""
+    from jstd.circuits.sweep import aggregate_edges, node_keys
+
+    _, _, _, g = built("llava")
+    ids = np.asarray(g.input_tokens)
+    image = np.flatnonzero(ids == IMAGE_TOKEN)
+    keys = node_keys(g)
+    assert [keys[g.token_start + p] for p in image] == [("image", 0, j) for j in range(len(image))]
+    assert keys[g.token_start + 1] == ("token", int(ids[1]))
+    table = aggregate_edges([g])
+    sources = {table.keys[s] for s in table.sources}
+    patches = [k for k in sources if k[0] == "image"]
+    assert len(patches) > 1 and len(set(patches)) == len(patches)
+    # each patch's edges summed under its own pair (a loop over the graph's entries; no two patches summed)
+    want: dict = {}
+    for row, col in zip(*np.nonzero(g.adjacency[:, g.token_start + image])):
+        pair = (keys[row], ("image", 0, int(col)))
+        want[pair] = want.get(pair, 0.0) + float(g.adjacency[row, g.token_start + image[col]])
+    assert len(want) > len(image)
+    for (target, source), v in list(want.items())[::max(1, len(want) // 40)]:
+        assert table.weight(target, source) == pytest.approx(v, rel=1e-6, abs=1e-9)

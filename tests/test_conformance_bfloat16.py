@@ -81,3 +81,44 @@ def test_bfloat16(zoo, name):
     forced = jit_run(model, inputs, edits, reads=tuple(dst for dst, _ in exact))
     for dst, label in exact:
         assert_bf16_exact(forced[dst], want[dst], label)
+
+
+# gemma-2b: head_dim 24, so the scale 24^-0.5 is no power of two and rounding it to bfloat16 before the product
+# (0.2041 -> 0.2041015625) moves about one score in seventy by a unit (torch multiplies the bf16 product by the Python
+# float in float32 and rounds once); bloom-560m: ALiBi through baddbmm, scale · q·kᵀ + bias in float32 rounded once
+# (rounding the product, then the sum, moves one score in five)
+@pytest.mark.parametrize("name", ["gemma-2b", "bloom-560m"])
+def test_bfloat16_scores(zoo, name):
+    """bf16 attention scores bit-exact given torch's bf16 queries and keys (scaled, and ALiBi's bias added, where
+    torch rounds)."""
+    _, _, model, ref, spec = zoo(name, "bfloat16")
+    inputs, ref_inputs = spec.inputs(model)
+    want = ref.run(ref_inputs)
+    edits = [jstd.Set(f"layers.self_attn.attention_{x}", jnp.asarray(want[f"layers.self_attn.attention_{x}"],
+                                                                    jnp.bfloat16)) for x in ("queries", "keys")]
+    site = "layers.self_attn.attention_scores"
+    a, b = np.asarray(jit_run(model, inputs, edits, reads=(site,))[site], np.float32), want[site]
+    assert ((a < -1e30) == (b < -1e30)).all(), f"{name}: masks other entries than torch"
+    assert_bf16_exact(np.where(b < -1e30, 0, a), np.where(b < -1e30, 0, b), f"{name}: {site}")
+
+
+def test_bfloat16_scaled_queries_are_opts():
+    """OPT's order (``ScoreOptions.scaled_queries``: its queries leave ``q_proj`` scaled) against torch's in bf16 at
+    OPT-2.7B's head_dim 80 (the scale no power of two): the scores are ``matmul(q · s, kᵀ)`` bit for bit (not the
+    product scaled after), and the fused path is torch's ``scaled_dot_product_attention`` of the scaled queries at
+    scale 1 (as transformers' sdpa path calls it)."""
+    import torch
+
+    from jstd.kernels import attention as attn_kernels
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 4, 9, 80)).astype(np.float32) for _ in range(3))
+    tq, tk, tv = (torch.tensor(x).bfloat16() for x in (q, k, v))
+    jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    scale, opt = 80 ** -0.5, attn_kernels.ScoreOptions(scaled_queries=True)
+    want = torch.matmul(tq * scale, tk.transpose(2, 3)).float().numpy()
+    assert_bf16_exact(attn_kernels.scores(jq, jk, scale, None, opt), want, "OPT's scores")
+    causal = jnp.tril(jnp.ones((9, 9), bool))[None, None]
+    want = torch.nn.functional.scaled_dot_product_attention(tq * scale, tk, tv, is_causal=True, scale=1.0)
+    got = attn_kernels.fused(jq, jk, jv, scale, causal, opt)  # [batch, q, heads, dim]
+    assert relative_rms(np.asarray(got, np.float32), want.transpose(1, 2).float().numpy()) < 1e-2

@@ -94,6 +94,26 @@ def test_a_run_resumed_at_any_block_equals_the_whole_run(llama, tokens):
         assert not np.any(np.asarray(rest["layers.layer_output"][:block]))  # skipped blocks read as zeros
 
 
+def test_a_run_resumed_at_a_block_traces_each_block_once(llama, tokens, monkeypatch):
+    """Resuming at a traced block (``Stack(first=)``: a ``lax.cond`` a block) traces each block's Python as often as
+    a plain run does (once, the skipping branch's zeros shaped from that one trace)."""
+    full = read(llama, tokens, sites_for(llama) + ("layers.layer_input",))
+    block_type = type(llama.stacks["layers"].slots[0])
+    calls = []
+    original = block_type.__call__
+    monkeypatch.setattr(block_type, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+
+    def traces(context):
+        calls.clear()  # a fresh function each time: no trace cache
+        jax.eval_shape(lambda t: jstd.run(llama, t, reads=("layers.layer_output",), context=context), tokens[:, 4:])
+        return len(calls)
+
+    plain = traces(continuing(llama, full, suffix_positions(4)))
+    resumed = traces(continuing(llama, full, suffix_positions(4), block=jnp.asarray(2),
+                                stream=full["layers.layer_input"][2][:, 4:]))
+    assert plain > 0 and resumed == plain
+
+
 def test_edits_on_a_continued_run_equal_the_same_edits_on_the_whole_run(llama, tokens):
     start, layer = 5, 2
     full = read(llama, tokens, sites_for(llama))

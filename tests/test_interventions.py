@@ -141,7 +141,8 @@ def test_head_sweep_compiles_once_and_matches(model, pair):
     site = "layers.self_attn.attention_head_outputs"
     grid = jstd.patch_sweep(model, clean, corrupt, site, metric, layers=[1, 3], positions=[2, 6], chunk_size=3,
                             progress=False)
-    assert grid.shape == (2, 2, 4) and len(traces) == 1  # 8 entries, 3 chunks, one trace
+    # 8 entries, 3 chunks, one trace (which traces the metric twice: the segments', and the corrupted run's own)
+    assert grid.shape == (2, 2, 4) and len(traces) == 2
     one = jstd.patch(model, clean, corrupt, site, layer=3, positions=2, heads=1, metric=metric)
     close(grid[1, 0, 1], one, 1e-4)
     together = jstd.patch_sweep(model, clean, corrupt, site, metric, layers=[3], positions=[2], heads=False, progress=False)
@@ -359,7 +360,7 @@ def test_a_sweep_runs_only_what_can_change_the_metric(model, pair, monkeypatch):
     site = "layers.layer_output"
     grid = jstd.patch_sweep(model, clean, corrupt, site, metric, layers=[0, 2], progress=False)
     rows = packed[0]
-    live = (rows.entries >= 0) & (rows.starts < SEQ)
+    live = rows.entries >= 0  # the rows hold the entries that can change the metric, nothing else
     assert rows.positions.shape == (2, 4) and np.sort(rows.starts[live]).tolist() == [2, 3, 4]
     base = metric(read(model, corrupt).logits)
     close(grid[:, [0, 1, 5, 6]], np.full((2, 4), base), 1e-4)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstd.circuits.graph import Graph, SparseAdjacency
-from jstd.circuits.inputs import ImagePrompt, has_images, image_prompt, with_features
+from jstd.circuits.inputs import cuttable, has_images, image_prompt, with_features
 from jstd.circuits.replacement import prompt_values, source_columns, target_gradients
 from jstd.circuits.sharding import Sources, batch_for, place, place_sources, place_targets
 from jstd.circuits.transcoders import Transcoders
@@ -361,8 +361,7 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
     # from the deepest layer in a batch), and one whose targets lie at positions < P only the first P positions
     # (a causal model: nothing later reaches them; P rounded up to a sixth of the prompt: ``LENGTHS``).
     by_depth = n_active > 4 * batch_size
-    # (not with images: cutting the prompt would cut image tokens from their images, and Gemma 3's blocks)
-    cut = by_depth and N >= 16 and not isinstance(tokens, ImagePrompt)
+    cut = by_depth and N >= 16 and cuttable(tokens)
     lengths = sorted({-(-N * i // LENGTHS) for i in range(1, LENGTHS + 1)}) if cut else [N]
     held = outputs[:, :, :max(lengths)]
 

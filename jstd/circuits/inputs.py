@@ -48,6 +48,19 @@ class ImagePrompt(Inputs):
     def shape(self) -> tuple[int, int]:
         return self.tokens.shape
 
+    @property
+    def cuttable(self) -> bool:
+        """False: a prompt with images is never cut to its first positions (``cuttable``): that would cut image
+        tokens from their images, and Gemma 3's bidirectional blocks."""
+        return False
+
+
+def cuttable(prompt) -> bool:
+    """Whether ``attribute`` may run ``prompt`` (token ids ``[1, N]`` or an ``ImagePrompt``) cut to its first ``P``
+    positions for targets before ``P`` (a causal model: nothing later reaches them): token ids may; an
+    ``ImagePrompt`` says (``ImagePrompt.cuttable``)."""
+    return prompt.cuttable if isinstance(prompt, ImagePrompt) else True
+
 
 def has_images(prompt) -> bool:
     """Whether ``prompt`` (anything ``attribute`` takes) carries images: a ``jstd.Inputs`` with images, or a
@@ -80,9 +93,10 @@ def image_prompt(model, prompt, tokens: Callable[[np.ndarray], np.ndarray]):
     if inputs.attention_mask is not None:
         ids = ids[np.asarray(inputs.attention_mask).reshape(-1).astype(bool)]
     ids = tokens(ids)
-    prompt = ImagePrompt(jnp.asarray(ids[None], jnp.int32), None, inputs.images, inputs.layout)
-    type(model).check_inputs(model, prompt)  # the image tokens against the images: the wrapper's ValueError
     positions = np.flatnonzero(ids == model.image_token_id)
+    prompt = ImagePrompt(jnp.asarray(ids[None], jnp.int32), None, inputs.images, inputs.layout,
+                         jnp.asarray(positions, jnp.int32))
+    type(model).check_inputs(model, prompt)  # the image tokens against the images: the wrapper's ValueError
     counts = model.image_token_counts(prompt)
     if sum(counts) != len(positions):  # (check_inputs has compared the total: a wrapper's count is wrong)
         raise ValueError(f"attribute: {model.family} labels {sum(counts)} image tokens but the prompt holds "
@@ -90,8 +104,7 @@ def image_prompt(model, prompt, tokens: Callable[[np.ndarray], np.ndarray]):
     patches = np.full((len(ids), 2), -1, np.int64)
     patches[positions, 0] = np.repeat(np.arange(len(counts)), counts)
     patches[positions, 1] = np.concatenate([np.arange(c) for c in counts]) if counts else []
-    return ids, ImagePrompt(prompt.tokens, None, prompt.images, prompt.layout, jnp.asarray(positions, jnp.int32)), \
-        patches
+    return ids, prompt, patches
 
 
 def with_features(model, prompt: ImagePrompt, embeddings: Float[Array, "batch seq hidden"]):

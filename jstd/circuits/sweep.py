@@ -1,10 +1,10 @@
 """Many prompts' attribution graphs aggregated: ``aggregate_edges``.
 
 Graphs of different prompts have different nodes; what they share is *what* a node is: a feature ``(layer,
-feature)`` wherever it fires, an error of a block, a token id, a logit's vocab id. ``node_keys`` names each node
-so; ``aggregate_edges`` sums each graph's edges by (target key, source key) pair (a feature firing at several
-positions is one key) and reduces over the graphs: the mean over all graphs (a pair absent from a graph counts as
-zero there), the mean over the graphs holding the pair, and how many do.
+feature)`` wherever it fires, an error of a block, a token id (an image token: its image and patch), a logit's vocab
+id. ``node_keys`` names each node so; ``aggregate_edges`` sums each graph's edges by (target key, source key) pair
+(a feature firing at several positions is one key) and reduces over the graphs: the mean over all graphs (a pair
+absent from a graph counts as zero there), the mean over the graphs holding the pair, and how many do.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from jstd.circuits.graph import Graph
 
 def node_keys(graph: Graph) -> list[tuple]:
     """Each node's position-free key: ``("feature", layer, feature)``, ``("error", layer)``, ``("token", id)``,
-    ``("logit", id)``."""
+    ``("image", image, patch)`` (an image token: one key per image and patch, as ``Graph.input_label`` labels it;
+    every image token has the one id), ``("logit", id)``."""
     keys = []
     for i in range(graph.n_nodes):
         kind, *rest = graph.node(i)
@@ -27,6 +28,8 @@ def node_keys(graph: Graph) -> list[tuple]:
             keys.append(("feature", rest[0], rest[2]))
         elif kind == "error":
             keys.append(("error", rest[0]))
+        elif (patch := graph.image_patch(i)) is not None:
+            keys.append(("image", *patch))
         else:
             keys.append((kind, rest[-1]))
     return keys

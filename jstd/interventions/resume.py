@@ -10,9 +10,10 @@ every row has about ``seq + 1`` tokens and all rows one shape: one compile
 for the whole sweep, the block index traced. A patch at a position the clean
 and corrupted prompts share (``shared_prefix``: before their first difference
 both runs hold the same values everywhere) or after the one position a metric
-reads changes nothing: such entries get no tokens, only a slot whose metric is
-the corrupted run's. The clean run's values and the corrupted run's caches
-come from one program over both prompts (``both_runs``).
+reads changes nothing: such entries are left out of the rows, their metric the
+corrupted run's (which every chunk also returns). The clean run's values and
+the corrupted run's caches come from one program over both prompts
+(``both_runs``).
 
 A metric that reads one position (``metrics.PositionMetric``) gets the logits
 at that position alone; any other metric gets the full logits, the prefix's
@@ -66,8 +67,7 @@ class Rows(NamedTuple):
     offsets: np.ndarray
 
 
-def pack(positions: np.ndarray, heads: np.ndarray, seq: int, pair: bool, *, end: int | None = None,
-         unchanged: np.ndarray | None = None) -> Rows:
+def pack(positions: np.ndarray, heads: np.ndarray, seq: int, pair: bool, *, end: int | None = None) -> Rows:
     """Rows holding the suffix of every entry ``(positions[i], heads[i])``: two per row when ``pair``.
 
     A suffix runs from its entry's position to ``end - 1`` (default ``seq``:
@@ -75,21 +75,15 @@ def pack(positions: np.ndarray, heads: np.ndarray, seq: int, pair: bool, *, end:
     The longest suffix shares a row with the shortest, and so on; rows are
     padded at the end with tokens at position ``seq - 1`` (each its own
     segment, or the continuation of one that ends at ``seq - 2``; they come
-    after every real token, so they change nothing). The entries marked
-    ``unchanged`` (a patch that cannot change the metric) get no tokens: each
-    is one more slot of some row, its start ``seq``, so its metric is the
-    corrupted run's.
+    after every real token, so they change nothing). No entries: one row of one
+    padding token and no slots.
     """
     end = seq if end is None else end
-    unchanged = np.zeros(len(positions), bool) if unchanged is None else np.asarray(unchanged, bool)
-    live = np.flatnonzero(~unchanged)
-    order = live[np.argsort(positions[live], kind="stable")]
+    order = np.argsort(positions, kind="stable")
     n = len(order)
     groups = [[order[i], order[n - 1 - i]] if pair and i != n - 1 - i else [order[i]] for i in range((n + 1) // 2 if pair else n)]
     groups = groups or [[]]
-    for i, e in enumerate(np.flatnonzero(unchanged)):  # no tokens: spread over the rows as extra slots
-        groups[i % len(groups)].append(e)
-    length = max(1, max(sum(end - positions[e] for e in g if not unchanged[e]) for g in groups))
+    length = max(1, max(sum(end - positions[e] for e in g) for g in groups))
     slots = max(len(g) for g in groups)
     rows = len(groups)
     pos = np.full((rows, length), seq - 1, np.int32)
@@ -102,9 +96,6 @@ def pack(positions: np.ndarray, heads: np.ndarray, seq: int, pair: bool, *, end:
         at = 0
         for k, e in enumerate(group):
             entries[r, k] = e
-            if unchanged[e]:
-                starts[r, k] = seq
-                continue
             p = int(positions[e])
             pos[r, at:at + end - p] = np.arange(p, end)
             first[r, at] = True
@@ -149,7 +140,7 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     (``shared_prefix``); ``corrupt_out``: ``corrupted_run``'s outputs when the
     caller has them (``both_runs``). Entries whose patch cannot change the metric — at a
     shared position, or after the position a ``PositionMetric`` reads — are
-    the corrupted run's metric and cost no tokens.
+    left out of the rows (no tokens) and get the corrupted run's metric.
     """
     seq = corrupt.shape[1]
     if corrupt_out is None:
@@ -159,8 +150,8 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     entry_h = np.tile(np.asarray(heads, np.int32), len(positions))
     entry_p = np.where(entry_p < 0, entry_p + seq, entry_p)
     end = metric.position % seq + 1 if isinstance(metric, PositionMetric) else seq
-    rows = pack(entry_p, entry_h, seq, pair=not model.layers_with("linear_attn"), end=end,
-                unchanged=(entry_p < shared) | (entry_p >= end))
+    live = np.flatnonzero((entry_p >= shared) & (entry_p < end))  # the rest cannot change the metric
+    rows = pack(entry_p[live], entry_h[live], seq, pair=not model.layers_with("linear_attn"), end=end)
     n_rows, length = rows.positions.shape
     keys = length + (as_cached(corrupt_out[Context.sites_for(model)[0]]).shape[3] if model.layers_with("self_attn") else 0)
     place = (lambda a, size: device_array(a)) if spread is None else spread.place
@@ -178,13 +169,15 @@ def resumed_sweep(model, clean_values, corrupt, attention_mask, site: str, metri
     for layer in progress(layers):
         per_layer = []
         for c in range(chunks):
-            per_layer.append(host_value(chunk(model, corrupt, attention_mask, corrupt_out, clean_values, metric,
-                                              chunk_rows(padded, c * size, size), device_array(np.int32(layer)),
-                                              site, split_heads)))
+            values, corrupted = chunk(model, corrupt, attention_mask, corrupt_out, clean_values, metric,
+                                      chunk_rows(padded, c * size, size), device_array(np.int32(layer)), site,
+                                      split_heads)
+            per_layer.append(host_value(values))
         values = np.concatenate(per_layer)[:n_rows]  # [rows, slots, *metric]
-        grid = np.zeros((len(entry_p),) + values.shape[2:], values.dtype)
+        grid = np.empty((len(entry_p),) + values.shape[2:], values.dtype)
+        grid[:] = host_value(corrupted)  # the entries left out; the rows' entries overwrite theirs
         mask = rows.entries >= 0
-        grid[rows.entries[mask]] = values[mask]
+        grid[live[rows.entries[mask]]] = values[mask]
         out.append(grid)
     return np.stack(out)
 
@@ -255,7 +248,8 @@ def corrupted_run(model, corrupt, site: str, attention_mask=None):
 @eqx.filter_jit
 def resumed_chunk(model, corrupt, attention_mask, corrupt_out, clean_values, metric, rows: Rows, layer, site: str,
                   split_heads: bool):
-    """The metric of every segment of a chunk of rows at block ``layer``: ``[rows, slots, *metric]``.
+    """``(the metric of every segment of a chunk of rows at block ``layer`` [rows, slots, *metric], the corrupted
+    run's own metric [*metric])`` (the latter what a patch that cannot change the metric gives).
 
     ``corrupt_out``: ``corrupted_run``'s outputs; ``clean_values``: the clean run's ``site`` over every block;
     ``rows``: a chunk of ``pack``'s rows. One compiled program serves every chunk and block (``layer`` is traced)."""
@@ -281,7 +275,8 @@ def resumed_chunk(model, corrupt, attention_mask, corrupt_out, clean_values, met
         return jax.vmap(lambda start, offset: _segment_metric(model, metric, normed, normed_before, start, offset, seq))(
             starts, offsets)
 
-    return jax.vmap(one)(*rows)
+    # a segment starting at seq is the corrupted run's, whole
+    return jax.vmap(one)(*rows), _segment_metric(model, metric, normed_before, normed_before, seq, 0, seq)
 
 
 def _stream_site(site: str) -> str:

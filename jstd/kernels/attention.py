@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jstd.kernels.platform import platform
+from jstd.kernels.rounding import times
 from jstd.kernels.softcap import softcap as capped
 
 
@@ -42,17 +43,28 @@ class ScoreOptions:
     ``softcap`` (Gemma 2): ``tanh(s / cap) · cap`` of the scaled product, before the mask. ``alibi`` (BLOOM): ALiBi
     slopes, one a head: ``alibi_bias`` added before the mask. ``float32_scores`` (GPT-Neo, GPT-J): queries and keys
     cast to float32 before the product (the scores are float32 whatever the model's dtype; the caller casts the
-    probabilities to the values' dtype). The default is none of them: the plain scaled product."""
+    probabilities to the values' dtype). ``scaled_queries`` (OPT): the queries multiplied by the scale (in float32,
+    rounded to their dtype) before an unscaled product, as OPT scales ``q_proj``'s output (in bfloat16 not the
+    product scaled after). The default is none of them: the plain scaled product."""
 
     softcap: float | None = None
     alibi: tuple[float, ...] | None = None
     float32_scores: bool = False
+    scaled_queries: bool = False
 
     @property
     def plain(self) -> bool:
         """Whether ``jax.nn.dot_product_attention`` computes these scores (no cap, no float32 product; ALiBi
         goes in as its ``bias``)."""
         return self.softcap is None and not self.float32_scores
+
+    def queries(self, q: Float[Array, "batch heads q dim"], scale: float
+                ) -> tuple[Float[Array, "batch heads q dim"], float, "ScoreOptions"]:
+        """``(q, scale, options)`` as the product takes them: with ``scaled_queries``, the queries scaled (float32,
+        rounded once: torch's tensor times a Python float), scale 1 and the option spent; else unchanged."""
+        if not self.scaled_queries:
+            return q, scale, self
+        return times(q, scale), 1.0, dataclasses.replace(self, scaled_queries=False)
 
 
 PLAIN = ScoreOptions()
@@ -65,7 +77,8 @@ def checked_options(options: ScoreOptions | None) -> ScoreOptions:
         return PLAIN
     if not isinstance(options, ScoreOptions):
         raise TypeError(f"the attention kernels take their score options as one kernels.attention.ScoreOptions "
-                        f"record (softcap=, alibi=, float32_scores=), got {type(options).__name__} {options!r}")
+                        f"record (softcap=, alibi=, float32_scores=, scaled_queries=), got {type(options).__name__} "
+                        f"{options!r}")
     return options
 
 
@@ -163,20 +176,27 @@ def scores(
     mask: Bool[Array, "batch 1 q k"] | None, options: ScoreOptions | None = PLAIN,
 ) -> Float[Array, "batch heads q k"]:
     """scale · q·kᵀ as ``options`` make it (soft-capped, plus ALiBi's bias, float32 products), masked entries set
-    to the dtype's minimum (as transformers' eager attention); ``mask`` None attends everywhere (a vision tower).
-    ``options`` None is ``PLAIN``; TypeError for anything else but a ``ScoreOptions`` (the record replaced the
-    positional ``softcap`` / ``alibi`` arguments)."""
-    options = checked_options(options)
+    to the dtype's minimum (as transformers' eager attention). The product is rounded to the inputs' dtype, then
+    multiplied by ``scale`` in float32 and rounded once more (torch's tensor times a Python float); with ALiBi,
+    ``scale · q·kᵀ + bias`` is computed in float32 and rounded once (BLOOM's ``baddbmm``). ``mask`` None
+    attends everywhere (a vision tower). ``options`` None is ``PLAIN``; TypeError for anything else but a
+    ``ScoreOptions`` (the record replaced the positional ``softcap`` / ``alibi`` arguments)."""
+    q, scale, options = checked_options(options).queries(q, scale)
     if options.float32_scores:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     softcap, alibi = options.softcap, options.alibi
     b, h, t, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, h // kv, t, d)
-    s = jnp.einsum("bkgqd,bksd->bkgqs", qg, k).reshape(b, h, t, k.shape[2]) * jnp.asarray(scale, q.dtype)
-    s = capped(s, softcap)
-    if alibi is not None:
-        s = s + alibi_bias(alibi, mask, s.dtype)
+    product = lambda dtype=None: jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=dtype
+                                            ).reshape(b, h, t, k.shape[2])
+    if alibi is None:
+        # torch's product times a Python float: in float32, rounded once (rounding the scale to bf16 first differs
+        # where it is no power of two: head_dim 24, 80, 96, Gemma 2's query_pre_attn_scalar)
+        s = capped(times(product(), scale), softcap)
+    else:  # BLOOM's baddbmm: scale · q·kᵀ plus the (rounded) bias in float32, rounded once
+        s = capped(product(jnp.float32) * jnp.float32(scale), softcap)
+        s = (s + alibi_bias(alibi, mask, q.dtype).astype(jnp.float32)).astype(q.dtype)
     return s if mask is None else jnp.where(mask, s, jnp.finfo(s.dtype).min)
 
 
@@ -215,7 +235,7 @@ def fused(
     ``bias``); with ``sinks`` or options that kernel has no place for (``ScoreOptions.plain`` false) the explicit
     computation, unmaterialized, the probabilities cast to the values' dtype after the softmax. ``options`` as
     ``scores``'."""
-    options = checked_options(options)
+    q, scale, options = checked_options(options).queries(q, scale)
     if sinks is not None:
         return mix(sink_probabilities(scores(q, k, scale, mask, options), sinks)[0], v)
     if not options.plain:

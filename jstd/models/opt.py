@@ -19,7 +19,8 @@ The quirks a port gets wrong silently:
   head's product, ``lm_head_output``, includes it; the logit lens too).
 * OPT scales the queries by ``1/sqrt(head_dim)`` as they leave ``q_proj``; jstd's ``attention_queries`` are
   ``q_proj``'s output before that scale (as on every other family) and ``attention_scores`` are the scaled
-  products, equal to torch's.
+  products, equal to torch's: the queries are scaled before the product (``Attention.scaled_queries``), so a
+  bfloat16 run rounds as torch's where the scale is no power of two (OPT-2.7B's head_dim 80, 6.7B's 128).
 
 * ``do_layer_norm_before=False`` (OPT-350M): post-norm blocks, ``mid = self_attn_layer_norm(x + attn(x))``,
   ``out = final_layer_norm(mid + mlp(mid))`` (``Block.norm_after_add``), and no final norm: ``layer_mid`` is the
@@ -114,8 +115,8 @@ class OPT(TextFamily):
         norm = cls.norm(hf, c, dtype)
         return Block(
             attention_norm=norm if pre else None,
-            attn=Attention.skeleton(c.hidden_size, c.num_heads, c.num_heads, c.head_dim, c.head_dim ** -0.5, True,
-                                    True, dtype),
+            attn=dataclasses.replace(Attention.skeleton(c.hidden_size, c.num_heads, c.num_heads, c.head_dim,
+                                                        c.head_dim ** -0.5, True, True, dtype), scaled_queries=True),
             attention_post_norm=None if pre else norm,
             mlp_norm=norm if pre else None,
             mlp=MLP.skeleton(c.hidden_size, c.intermediate_size, hf.activation_function, dtype),

@@ -82,8 +82,11 @@ class Attention(eqx.Module):
       (torch's form, ``kernels.attention.alibi_bias``): per query it differs from
       the paper's ``-slope_h · (query - key)`` by a constant the softmax ignores,
       so the distance bias a head adds is ``scores - scale · q·kᵀ``.
+    * ``scaled_queries`` (OPT): the queries are multiplied by ``scale`` (in float32, rounded to their dtype) before
+      an unscaled ``q·kᵀ``, as OPT scales ``q_proj``'s output; ``attention_queries`` are before that scale. The
+      same scores up to rounding; in bfloat16 torch's where the scale is no power of two (head_dim 80, 128).
 
-    ``softcap``, ``alibi`` and ``float32_scores`` reach the kernels as one record, ``score_options``
+    ``softcap``, ``alibi``, ``float32_scores`` and ``scaled_queries`` reach the kernels as one record, ``score_options``
     (``kernels.attention.ScoreOptions``).
 
     Llama 4's options (static; off by default):
@@ -123,6 +126,7 @@ class Attention(eqx.Module):
     attention_chunk: int | None = eqx.field(static=True, default=None)
     qk_l2_norm: L2Norm | None = None
     temperature: tuple[float, float] | None = eqx.field(static=True, default=None)
+    scaled_queries: bool = eqx.field(static=True, default=False)
 
     host: ClassVar[str] = "self_attn"
     SITES: ClassVar[tuple[str, ...]] = (
@@ -138,7 +142,7 @@ class Attention(eqx.Module):
     @property
     def score_options(self) -> attn_kernels.ScoreOptions:
         """The kernels' record of how scores are made (soft-cap, ALiBi, float32 products)."""
-        return attn_kernels.ScoreOptions(self.softcap, self.alibi, self.float32_scores)
+        return attn_kernels.ScoreOptions(self.softcap, self.alibi, self.float32_scores, self.scaled_queries)
 
     def project(self, x: Float[Array, "batch seq embed"], w: Float[Array, "embed heads head_dim"],
                 b: Float[Array, "heads head_dim"] | None, norm: RMSNorm | None = None

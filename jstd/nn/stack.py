@@ -26,6 +26,7 @@ from typing import Callable, Mapping, Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.extend.core import jaxpr_as_fun
 
 from jstd.core.tap import BlockScope
 from jstd.nn.namemap import Entry
@@ -203,10 +204,14 @@ class Stack(eqx.Module):
 
 
 def _from_block(first, layer, step, h):
-    """``step(h)`` for blocks at or after ``first``; ``(h, zeros shaped like its reads)`` before it."""
-    shapes = jax.eval_shape(step, h)[1]
-    skip = lambda h: (h, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
-    return jax.lax.cond(layer >= first, step, skip, h)
+    """``step(h)`` for blocks at or after ``first``; ``(h, zeros shaped like its reads)`` before it.
+
+    ``step`` is traced once (the block's Python runs once): its jaxpr gives the reads' shapes for the skipping
+    branch and is replayed as the running one (a cold sweep's largest trace cost was tracing it twice)."""
+    closed, shapes = jax.make_jaxpr(step, return_shape=True)(h)
+    run = lambda h: jax.tree.unflatten(jax.tree.structure(shapes), jaxpr_as_fun(closed)(*jax.tree.leaves(h)))
+    skip = lambda h: (h, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[1]))
+    return jax.lax.cond(layer >= first, run, skip, h)
 
 
 def _equal(a, b) -> bool:
