@@ -45,11 +45,12 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from jstd.core.tap import Taps
 from jstd.kernels import attention as attn_kernels
 from jstd.kernels.projection import add_bias, flat_product
+from jstd.kernels.platform import platform
 from jstd.kernels.rope import apply_rotary
 from jstd.nn.attention import Attention
 from jstd.nn.namemap import Entry, linear, present, split_in, split_out
@@ -138,8 +139,87 @@ class LatentAttention(eqx.Module):
         rope_keys = self.rotate(compressed[:, None, :, self.kv_lora_rank:], cos_sin)[:, 0]
         rope_keys = s("self_attn.rope_keys", rope_keys)
         q = jnp.concatenate([q[..., :self.nope], self.rotate(q[..., self.nope:], cos_sin)], axis=-1)
-        k_nope, v = self.expand(kv_latent)
         q = s("self_attn.attention_queries", q)
+        past = None if past is None else tuple(c[:, 0].astype(x.dtype) for c in past)
+        if past is not None and self.absorbs(s, x.shape[1], past[0].shape[1]):
+            heads = self.attend_latent(q, past, (kv_latent, rope_keys), mask)
+        else:
+            heads = self.attend_expanded(q, kv_latent, rope_keys, mask, s, past)
+        heads = s("self_attn.attention_head_outputs", heads)
+        heads = s("self_attn.attention_premix", heads)
+        return add_bias(flat_product(heads, self.o, 2), self.o_bias)
+
+    def absorbs(self, s: Taps, seq: int, cached: int) -> bool:
+        """Whether a continued call of ``seq`` tokens over ``cached`` cached positions attends in latent space
+        (``attend_latent``) rather than over expanded keys and values (``attend_expanded``): the same function, so
+        only where nobody reads or edits what only the expanded path computes (``attention_keys``,
+        ``attention_values``, scores, probabilities; no frozen pattern), and where it costs fewer products (a
+        decoding step always does: the expansion of every cached latent is gone; a long continued segment does
+        not, since each of its tokens then scores ``kv_lora + rope`` wide instead of ``nope + rope``)."""
+        per_head = ("self_attn.attention_keys", "self_attn.attention_values", "self_attn.attention_scores",
+                    "self_attn.attention_probabilities")
+        if self.frozen_pattern or s.touches(*per_head):
+            return False
+        keys, L, n, r, v = cached + seq, self.kv_lora_rank, self.nope, self.rope, self.v_head_dim
+        latent = seq * L * (n + v) + seq * keys * 2 * (L + r)  # absorbing and unabsorbing, scores and mix
+        expanded = keys * L * (n + v) + seq * keys * 2 * (n + r)  # the expansion, scores and mix (values padded)
+        return latent < expanded
+
+    def attend_latent(self, q: Float[Array, "batch heads seq qk_head_dim"], past: tuple[Array, Array],
+                      new: tuple[Array, Array], mask: Bool[Array, "batch 1 seq keys"]) -> Float[Array, "batch seq heads v"]:
+        """Each head's output without per-head keys or values (weight absorption). ``past``: the cached
+        ``(kv_latent, rope_keys)`` ``[batch, cached, kv_lora]`` / ``[batch, cached, rope]``; ``new``: the call's own;
+        ``mask`` over the cached positions then the call's.
+
+        ``kv_b``'s key part is folded into the query (``absorb``: a query ``kv_lora`` wide), scored against the
+        latent itself, the rotary part against ``rope_keys`` (one key "head" serves every query head); the
+        probabilities (softmax in float32) times the latent, then ``kv_b``'s value part per head (``unabsorb``).
+        The same function as ``attend_expanded`` (``q_nope · (W_uk c) = (q_nope W_ukᵀ) · c``, ``Σ p · W_uv c =
+        W_uv Σ p c``; the roundings differ). The cache is read where it lies: its part of the scores and of the mix
+        is computed apart from the call's own tokens', never concatenated with them."""
+        b, h, s, _ = q.shape
+        f32 = jnp.promote_types(q.dtype, jnp.float32)
+        rows = lambda x: x.reshape(b, h * s, x.shape[-1])  # each batch row's heads × tokens, head-major: free
+        absorbed, rotary = rows(self.absorb(q[..., :self.nope]).astype(q.dtype)), rows(q[..., self.nope:])
+
+        def scores(latent, rope_keys):
+            return (jnp.einsum("bql,bkl->bqk", absorbed, latent, preferred_element_type=f32)
+                    + jnp.einsum("bqr,bkr->bqk", rotary, rope_keys.astype(q.dtype), preferred_element_type=f32))
+
+        logits = jnp.concatenate([scores(*past), scores(*new)], axis=-1).reshape(b, h, s, -1) * self.scale
+        logits = jnp.where(mask, logits, jnp.finfo(f32).min)
+        p = rows(jax.nn.softmax(logits, axis=-1).astype(q.dtype))
+        cached = past[0].shape[1]
+        mixed = (jnp.einsum("bqk,bkl->bql", p[..., :cached], past[0], preferred_element_type=f32)
+                 + jnp.einsum("bqk,bkl->bql", p[..., cached:], new[0], preferred_element_type=f32))
+        return self.unabsorb(mixed.reshape(b, h, s, -1)).astype(q.dtype)
+
+    def absorb(self, q_nope: Float[Array, "batch heads seq nope"]) -> Float[Array, "batch heads seq kv_lora"]:
+        """Each head's unrotated query through its key part of ``kv_b``: ``q_nope · W_ukᵀ`` (float32 products).
+
+        On XLA:CPU a product batched over the heads wants them leading in both operands: a transposed copy of
+        the weight at every call (every decoding step). There a multiply-and-sum reads ``kv_b`` where it lies, the
+        query padded with zeros over the value columns (no sliced copy either); the rows are few (a step's)."""
+        if platform() != "cpu":
+            return jnp.einsum("bhsn,lhn->bhsl", q_nope, self.kv_b[..., :self.nope], preferred_element_type=jnp.float32)
+        padded = jnp.pad(q_nope, ((0, 0), (0, 0), (0, 0), (0, self.v_head_dim))).astype(jnp.float32)
+        products = jnp.swapaxes(padded, 1, 2)[:, :, None] * self.kv_b.astype(jnp.float32)  # [batch, seq, kv_lora, heads, nope + v]
+        return jnp.einsum("bslh->bhsl", products.sum(-1))
+
+    def unabsorb(self, mixed: Float[Array, "batch heads seq kv_lora"]) -> Float[Array, "batch seq heads v"]:
+        """Each head's probability-weighted latent through its value part of ``kv_b`` (float32 products; on XLA:CPU
+        a multiply-and-sum, as ``absorb``)."""
+        w = self.kv_b[..., self.nope:]
+        if platform() != "cpu":
+            return jnp.einsum("bhsl,lhv->bshv", mixed, w, preferred_element_type=jnp.float32)
+        products = jnp.einsum("bhsl->bslh", mixed.astype(jnp.float32))[..., None] * w.astype(jnp.float32)
+        return products.sum(-3)
+
+    def attend_expanded(self, q, kv_latent, rope_keys, mask, s: Taps, past) -> Float[Array, "batch seq heads v"]:
+        """Attention over per-head keys and values: the latents (``past``: the cached ``(kv_latent, rope_keys)``
+        ``[batch, cached, ...]``, then the call's own) expanded through ``kv_b`` (``expand``), the keys, values,
+        scores and probabilities tapped."""
+        k_nope, v = self.expand(kv_latent)
         k = self.keys(k_nope, rope_keys)
         k_edited = s("self_attn.attention_keys", k)
         v_edited = s("self_attn.attention_values", v)
@@ -151,7 +231,7 @@ class LatentAttention(eqx.Module):
                     "run (a Context, a generate step). Edit layers.self_attn.kv_latent (the keys' unrotated parts "
                     "and the values) or layers.self_attn.rope_keys (the keys' rotary part) instead, or run the "
                     "whole sequence with jstd.run")
-            cached_latent, cached_rope = (c[:, 0].astype(x.dtype) for c in past)
+            cached_latent, cached_rope = past
             past_k_nope, past_v = self.expand(cached_latent)
             k_edited = jnp.concatenate([self.keys(past_k_nope, cached_rope), k_edited], axis=2)
             v_edited = jnp.concatenate([past_v, v_edited], axis=2)
@@ -160,13 +240,10 @@ class LatentAttention(eqx.Module):
         if self.frozen_pattern or s.touches(*interior):
             scores = s("self_attn.attention_scores", attn_kernels.scores(q, k, self.scale, mask))
             probs = s("self_attn.attention_probabilities", attn_kernels.probabilities(scores).astype(v.dtype))
-            heads = attn_kernels.mix(jax.lax.stop_gradient(probs) if self.frozen_pattern else probs, v)
-        else:  # the fused kernel takes values as wide as the keys: zero columns, dropped after
-            wide = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
-            heads = attn_kernels.fused(q, k, wide, self.scale, mask)[..., :v.shape[-1]]
-        heads = s("self_attn.attention_head_outputs", heads)
-        heads = s("self_attn.attention_premix", heads)
-        return add_bias(flat_product(heads, self.o, 2), self.o_bias)
+            return attn_kernels.mix(jax.lax.stop_gradient(probs) if self.frozen_pattern else probs, v)
+        # the fused kernel takes values as wide as the keys: zero columns, dropped after
+        wide = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
+        return attn_kernels.fused(q, k, wide, self.scale, mask)[..., :v.shape[-1]]
 
     def entries(self, names=None) -> list[Entry]:
         """Its checkpoint tensors relative to it: ``q_proj`` or ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``,
