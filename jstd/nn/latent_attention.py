@@ -63,6 +63,11 @@ CACHE_SITES = ("layers.self_attn.kv_latent", "layers.self_attn.rope_keys")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm take DeepseekV2RMSNorm's default eps, not rms_norm_eps
 
 
+def _one_row_on_cpu(x: Float[Array, "batch heads seq dim"]) -> bool:
+    """Whether ``x`` holds one row (one sequence, one position) for XLA:CPU (``LatentAttention.absorb``)."""
+    return platform() == "cpu" and x.shape[0] * x.shape[2] == 1
+
+
 class LatentAttention(eqx.Module):
     """Multi-head latent attention (see the module docstring). Weights input-major: ``q_a`` ``[embed, q_lora]``,
     ``q_b`` ``[q_lora, heads, nope + rope]`` (or ``q`` ``[embed, heads, nope + rope]``), ``kv_a`` ``[embed,
@@ -197,23 +202,25 @@ class LatentAttention(eqx.Module):
     def absorb(self, q_nope: Float[Array, "batch heads seq nope"]) -> Float[Array, "batch heads seq kv_lora"]:
         """Each head's unrotated query through its key part of ``kv_b``: ``q_nope · W_ukᵀ`` (float32 products).
 
-        On XLA:CPU a product batched over the heads wants them leading in both operands: a transposed copy of
-        the weight at every call (every decoding step). There a multiply-and-sum reads ``kv_b`` where it lies, the
-        query padded with zeros over the value columns (no sliced copy either); the rows are few (a step's)."""
-        if platform() != "cpu":
+        A product batched over the heads wants them leading in both operands: on XLA:CPU a transposed copy of the
+        weight at every call (every decoding step), which the products of many rows amortise. For one row (a
+        decoding step of one sequence) a multiply-and-sum instead reads ``kv_b`` where it lies, whole (a slice of
+        it would be a copy too: the query is padded with zeros over the value columns); XLA:CPU fuses it for one
+        row, but materialises the weight broadcast over the rows for more."""
+        if not _one_row_on_cpu(q_nope):
             return jnp.einsum("bhsn,lhn->bhsl", q_nope, self.kv_b[..., :self.nope], preferred_element_type=jnp.float32)
         padded = jnp.pad(q_nope, ((0, 0), (0, 0), (0, 0), (0, self.v_head_dim))).astype(jnp.float32)
-        products = jnp.swapaxes(padded, 1, 2)[:, :, None] * self.kv_b.astype(jnp.float32)  # [batch, seq, kv_lora, heads, nope + v]
+        products = jnp.swapaxes(padded, 1, 2)[:, :, None] * self.kv_b.astype(jnp.float32)  # [b, s, kv_lora, h, nope + v]
         return jnp.einsum("bslh->bhsl", products.sum(-1))
 
     def unabsorb(self, mixed: Float[Array, "batch heads seq kv_lora"]) -> Float[Array, "batch seq heads v"]:
-        """Each head's probability-weighted latent through its value part of ``kv_b`` (float32 products; on XLA:CPU
-        a multiply-and-sum, as ``absorb``)."""
-        w = self.kv_b[..., self.nope:]
-        if platform() != "cpu":
-            return jnp.einsum("bhsl,lhv->bshv", mixed, w, preferred_element_type=jnp.float32)
-        products = jnp.einsum("bhsl->bslh", mixed.astype(jnp.float32))[..., None] * w.astype(jnp.float32)
-        return products.sum(-3)
+        """Each head's probability-weighted latent through its value part of ``kv_b`` (float32 products; for one
+        row on XLA:CPU a multiply-and-sum over the whole of ``kv_b``, its key columns' sums dropped after, as
+        ``absorb``)."""
+        if not _one_row_on_cpu(mixed):
+            return jnp.einsum("bhsl,lhv->bshv", mixed, self.kv_b[..., self.nope:], preferred_element_type=jnp.float32)
+        products = jnp.einsum("bhsl->bslh", mixed.astype(jnp.float32))[..., None] * self.kv_b.astype(jnp.float32)
+        return products.sum(-3)[..., self.nope:]
 
     def attend_expanded(self, q, kv_latent, rope_keys, mask, s: Taps, past) -> Float[Array, "batch seq heads v"]:
         """Attention over per-head keys and values: the latents (``past``: the cached ``(kv_latent, rope_keys)``
