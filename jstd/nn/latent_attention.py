@@ -32,10 +32,18 @@ The rotary turns ``rope_keys`` and each query's last ``rope`` dims; ``rotary``:
 
 Cache (``jstd.Context``, ``jstd.generate``): a block caches ``kv_latent`` and ``rope_keys``, ``kv_lora_rank +
 rope`` numbers per position (576 on DeepSeek-V2/V3), not the per-head keys and values (``heads · (nope + rope +
-v_head_dim)``: 5120 on V2-Lite's 16 heads, 40960 on V3's 128). A continued run expands the cached latents into
-keys and values again. So an edit of ``attention_keys`` or ``attention_values`` cannot reach positions held in a
-cache: on a run that continues a context (a decoding step) such an edit raises, naming ``kv_latent`` /
-``rope_keys`` (which are cached as edited) instead.
+v_head_dim)``: 5120 on V2-Lite's 16 heads, 40960 on V3's 128). So an edit of ``attention_keys`` or
+``attention_values`` cannot reach positions held in a cache: on a run that continues a context (a decoding step)
+such an edit raises, naming ``kv_latent`` / ``rope_keys`` (which are cached as edited) instead.
+
+A continued run (a decoding step; a short ``Context`` segment) attends in latent space (``attend_latent``, weight
+absorption): ``kv_b``'s key part folded into the queries, scored against the cached latent itself, its value part
+applied after the probabilities, so a step costs ``O(cached · heads · (kv_lora + rope))`` instead of expanding
+every cached latent (``O(cached · kv_lora · heads · (nope + v_head_dim))``). The same function, roundings apart
+(float32 tolerance against transformers); it is taken only where exact for the call (``absorbs``): where
+``attention_keys``, ``attention_values``, the scores or the probabilities are read or edited (or the pattern is
+frozen), and for a segment long enough that expanding costs less, the run expands the cached latents into keys and
+values (``attend_expanded``). The prompt (a run without a cache) always expands.
 """
 
 from __future__ import annotations
@@ -171,7 +179,8 @@ class LatentAttention(eqx.Module):
         return latent < expanded
 
     def attend_latent(self, q: Float[Array, "batch heads seq qk_head_dim"], past: tuple[Array, Array],
-                      new: tuple[Array, Array], mask: Bool[Array, "batch 1 seq keys"]) -> Float[Array, "batch seq heads v"]:
+                      new: tuple[Array, Array], mask: Bool[Array, "batch 1 seq keys"]
+                      ) -> Float[Array, "batch seq heads v"]:
         """Each head's output without per-head keys or values (weight absorption). ``past``: the cached
         ``(kv_latent, rope_keys)`` ``[batch, cached, kv_lora]`` / ``[batch, cached, rope]``; ``new``: the call's own;
         ``mask`` over the cached positions then the call's.
@@ -210,7 +219,7 @@ class LatentAttention(eqx.Module):
         if not _one_row_on_cpu(q_nope):
             return jnp.einsum("bhsn,lhn->bhsl", q_nope, self.kv_b[..., :self.nope], preferred_element_type=jnp.float32)
         padded = jnp.pad(q_nope, ((0, 0), (0, 0), (0, 0), (0, self.v_head_dim))).astype(jnp.float32)
-        products = jnp.swapaxes(padded, 1, 2)[:, :, None] * self.kv_b.astype(jnp.float32)  # [b, s, kv_lora, h, nope + v]
+        products = jnp.swapaxes(padded, 1, 2)[:, :, None] * self.kv_b.astype(jnp.float32)  # [b, s, kv_lora, h, n + v]
         return jnp.einsum("bslh->bhsl", products.sum(-1))
 
     def unabsorb(self, mixed: Float[Array, "batch heads seq kv_lora"]) -> Float[Array, "batch seq heads v"]:
