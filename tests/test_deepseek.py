@@ -167,9 +167,8 @@ def test_decoding_attends_in_latent_space(zoo, name):
         np.testing.assert_array_equal(np.asarray(gen.tokens), want_tokens, f"{name}: {path} tokens")
         assert_close(gen.logits, want_logits, 1e-5, f"{name}: {path} step logits")
     assert_close(latent.logits, expanded.logits, 1e-5, f"{name}: latent vs expanded steps")
-    whole = jit_run(model, jstd.Inputs(np.asarray(expanded.tokens), np.concatenate([mask, np.ones_like(mask)[:, :1]
-                                                                                  .repeat(generate.NEW, 1)], 1)),
-                    reads=(site,))
+    grown = np.concatenate([mask, np.ones((mask.shape[0], generate.NEW), mask.dtype)], 1)
+    whole = jit_run(model, jstd.Inputs(np.asarray(expanded.tokens), grown), reads=(site,))
     steps = slice(tokens.shape[1] - 1, -1)  # [blocks, batch, heads, seq, v] at each step's position
     assert_close(expanded[site], np.moveaxis(np.asarray(whole[site])[:, :, :, steps], 3, 2), 1e-5,
                  f"{name}: attention_values read while generating")
