@@ -58,7 +58,6 @@ from jaxtyping import Array, Bool, Float
 from jstd.core.tap import Taps
 from jstd.kernels import attention as attn_kernels
 from jstd.kernels.projection import add_bias, flat_product
-from jstd.kernels.platform import platform
 from jstd.kernels.rope import apply_rotary
 from jstd.nn.attention import Attention
 from jstd.nn.namemap import Entry, linear, present, split_in, split_out
@@ -69,11 +68,6 @@ ROTARIES = ("complex", "deinterleaved", "halves")
 # the sites a block's cache holds (Context.keys / values: cache_layout)
 CACHE_SITES = ("layers.self_attn.kv_latent", "layers.self_attn.rope_keys")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm take DeepseekV2RMSNorm's default eps, not rms_norm_eps
-
-
-def _one_row_on_cpu(x: Float[Array, "batch heads seq dim"]) -> bool:
-    """Whether ``x`` holds one row (one sequence, one position) for XLA:CPU (``LatentAttention.absorb``)."""
-    return platform() == "cpu" and x.shape[0] * x.shape[2] == 1
 
 
 class LatentAttention(eqx.Module):
@@ -209,27 +203,27 @@ class LatentAttention(eqx.Module):
         return self.unabsorb(mixed.reshape(b, h, s, -1)).astype(q.dtype)
 
     def absorb(self, q_nope: Float[Array, "batch heads seq nope"]) -> Float[Array, "batch heads seq kv_lora"]:
-        """Each head's unrotated query through its key part of ``kv_b``: ``q_nope · W_ukᵀ`` (float32 products).
-
-        A product batched over the heads wants them leading in both operands: on XLA:CPU a transposed copy of the
-        weight at every call (every decoding step), which the products of many rows amortise. For one row (a
-        decoding step of one sequence) a multiply-and-sum instead reads ``kv_b`` where it lies, whole (a slice of
-        it would be a copy too: the query is padded with zeros over the value columns); XLA:CPU fuses it for one
-        row, but materialises the weight broadcast over the rows for more."""
-        if not _one_row_on_cpu(q_nope):
-            return jnp.einsum("bhsn,lhn->bhsl", q_nope, self.kv_b[..., :self.nope], preferred_element_type=jnp.float32)
-        padded = jnp.pad(q_nope, ((0, 0), (0, 0), (0, 0), (0, self.v_head_dim))).astype(jnp.float32)
-        products = jnp.swapaxes(padded, 1, 2)[:, :, None] * self.kv_b.astype(jnp.float32)  # [b, s, kv_lora, h, n + v]
-        return jnp.einsum("bslh->bhsl", products.sum(-1))
+        """Each head's unrotated query through its key part of ``kv_b``: ``q_nope · W_ukᵀ`` (float32 products)."""
+        w_uk, _ = self.head_major()
+        return jnp.einsum("bhsn,hnl->bhsl", q_nope, w_uk, preferred_element_type=jnp.float32)
 
     def unabsorb(self, mixed: Float[Array, "batch heads seq kv_lora"]) -> Float[Array, "batch seq heads v"]:
-        """Each head's probability-weighted latent through its value part of ``kv_b`` (float32 products; for one
-        row on XLA:CPU a multiply-and-sum over the whole of ``kv_b``, its key columns' sums dropped after, as
-        ``absorb``)."""
-        if not _one_row_on_cpu(mixed):
-            return jnp.einsum("bhsl,lhv->bshv", mixed, self.kv_b[..., self.nope:], preferred_element_type=jnp.float32)
-        products = jnp.einsum("bhsl->bslh", mixed.astype(jnp.float32))[..., None] * self.kv_b.astype(jnp.float32)
-        return products.sum(-3)[..., self.nope:]
+        """Each head's probability-weighted latent through its value part of ``kv_b`` (float32 products)."""
+        _, w_uv = self.head_major()
+        return jnp.swapaxes(jnp.einsum("bhsl,hlv->bhsv", mixed, w_uv, preferred_element_type=jnp.float32), 1, 2)
+
+    def head_major(self) -> tuple[Float[Array, "heads nope kv_lora"], Float[Array, "heads kv_lora v"]]:
+        """``kv_b``'s key and value parts laid out as products batched over the heads read them: ``[heads, nope,
+        kv_lora]`` and ``[heads, kv_lora, v]``.
+
+        Copies, made behind an optimization barrier so that XLA keeps them as they are: in a loop over decoding
+        steps (``generate``'s) they depend on no step, and XLA hoists them out of the loop, once a call. Without
+        the barrier the transposes fold into the products, and XLA:CPU's layout assignment (after the hoisting)
+        puts a transposed copy of ``kv_b`` inside every step. (A multiply-and-sum that reads ``kv_b`` in place
+        instead is an unvectorised reduction there, far slower than the copy.)"""
+        w_uk = jnp.transpose(self.kv_b[..., :self.nope], (1, 2, 0))
+        w_uv = jnp.swapaxes(self.kv_b[..., self.nope:], 0, 1)
+        return jax.lax.optimization_barrier((w_uk, w_uv))
 
     def attend_expanded(self, q, kv_latent, rope_keys, mask, s: Taps, past) -> Float[Array, "batch seq heads v"]:
         """Attention over per-head keys and values: the latents (``past``: the cached ``(kv_latent, rope_keys)``
