@@ -218,6 +218,25 @@ def test_decoding_step_flops_do_not_expand_the_cache(zoo):
     assert expanded >= 2 * L * H * (n + v) > 10 * latent, (expanded, latent)
 
 
+def test_the_decoding_loop_copies_no_part_of_kv_b(zoo):
+    """The absorbed products read kv_b's head-major parts (``LatentAttention.head_major``) made once a generate call,
+    outside its decoding loop: inside the loop nothing but a product touches a value of their shapes (no transposed
+    or sliced copy of kv_b at every step)."""
+    import re
+
+    model = zoo(V2).model
+    attn = model.layers.slots[0].attn
+    H, L, n, v = attn.o.shape[-3], attn.kv_lora_rank, attn.nope, attn.v_head_dim
+    parts = {f"{H},{n},{L}", f"{H},{L},{v}", f"{L},{H},{n}", f"{L},{H},{v}", f"{H},{L},{n}", f"{H},{v},{L}"}
+    tokens, mask = generate.left_padded(model)
+    loop = generate._decoding_loop(generate.compiled_generate(model, tokens, mask).as_text(),
+                                   f"f32[{generate.NEW},{tokens.shape[0]},{model.config.vocab_size}]")
+    made = [line.strip()[:160] for line in loop
+            if (m := re.match(r"\s+%\S+ = \w+\[([\d,]*)\]\S* ([\w-]+)\(", line))
+            and m.group(1) in parts and m.group(2) not in ("get-tuple-element", "bitcast", "dot", "tuple")]
+    assert not made, "the decoding loop copies kv_b:\n" + "\n".join(made)
+
+
 def test_bfloat16_decoding_in_latent_space(zoo):
     """In bfloat16 (V2), the latent path's step logits are as near the float32 generation's as the expanded path's
     (a read of attention_values) and within bfloat16 roundings of them (relative RMS under 2e-2); the tokens are the
