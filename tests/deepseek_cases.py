@@ -115,3 +115,25 @@ class DeepseekReference(MoEReference):
                 setattr(self.modeling, name, original)
             for h in handles:
                 h.remove()
+
+
+def decode_step_flops(model, cached: int, reads: tuple = (), batch: int = 1) -> float:
+    """The FLOPs XLA counts (``cost_analysis``) in one compiled decoding step (``generate.cache.decode``, one token
+    a row) of ``model`` over a cache of ``cached`` positions, reading ``reads``. Only compiled: ``model``'s arrays
+    may be abstract (``family.skeleton``). XLA counts a loop's body once, so the blocks run unrolled as the
+    decoding loop runs them (``cache.stepper``) where the arrays are concrete; abstract, a stack whose blocks repeat
+    (a scan over more than one block) is undercounted."""
+    import jax
+    import jax.numpy as jnp
+
+    from jstd.core.context import cache_layout
+    from jstd.generate.cache import Cache, decode, stepper
+
+    (_, (_, latent)), (_, (_, rope)) = cache_layout(model)
+    blocks = len(model.layers_with("self_attn"))
+    S = jax.ShapeDtypeStruct
+    dtype = jax.tree.leaves(model.decoder)[0].dtype
+    cache = Cache(S((blocks, batch, 1, cached, latent), dtype), S((blocks, batch, 1, cached, rope), dtype), None,
+                  None, S((batch, cached), jnp.bool_), None)
+    step = jax.jit(lambda m, c, token: decode(m, c, token, cached - 1, (), reads)[0].logits)
+    return step.lower(stepper(model), cache, S((batch,), jnp.int32)).compile().cost_analysis()["flops"]

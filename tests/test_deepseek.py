@@ -7,6 +7,7 @@ attention sizes against transformers, DeepSeek-V3 read whole, FP8 refused); conv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -21,7 +22,7 @@ import test_conformance_edits as edits
 import test_convert as convert
 import test_generate as generate
 import test_moe
-from test_gpt_oss import assert_aot_preset_is_published, assert_generation_equals_transformers
+from test_gpt_oss import assert_aot_preset_is_published
 from conftest import assert_close
 from reference.cases import assert_sites_close, jit_run
 from reference.harness import TorchEdit
@@ -91,15 +92,14 @@ def test_keys_are_the_shared_rotary_key_broadcast(zoo):
 
 
 def test_generation_caches_the_latent_and_equals_transformers(zoo):
-    """Greedy generation (7-token prompts, one left-padded by 2, 6 new tokens; the cases have no EOS id) equals
-    transformers' generate, tokens and each step's logits; the cache holds each block's kv_latent and rope_keys
-    (kv_lora_rank + qk_rope_head_dim numbers a position, not heads · (qk_head_dim + v_head_dim)); a generation with
-    a kv_latent edit equals jstd.run on the whole sequence with that edit, step by step; an edit of
-    attention_keys in generate is refused, naming the latent. A Context continues a prefix through the latent too."""
+    """The cache holds each block's kv_latent and rope_keys (kv_lora_rank + qk_rope_head_dim numbers a position,
+    not heads · (qk_head_dim + v_head_dim)); a generation with a kv_latent edit equals jstd.run on the whole sequence
+    with that edit, step by step; an edit of attention_keys in generate is refused, naming the latent. A Context
+    continues a prefix through the latent too (its 5 tokens over 6 cached positions attend in latent space). The
+    generation against transformers' generate: test_decoding_attends_in_latent_space."""
     from jstd.generate.budget import preallocated_bytes
     from jstd.generate.cache import prefill
 
-    assert_generation_equals_transformers(zoo, V2)
     _, _, model, _, _ = zoo(V2)
     tokens, mask = generate.left_padded(model)
 
@@ -118,6 +118,141 @@ def test_generation_caches_the_latent_and_equals_transformers(zoo):
         jstd.generate(model, tokens, [jstd.Zero(A + "attention_keys", layer=0)], attention_mask=mask,
                       max_new_tokens=2)
     conformance.test_context_continues_the_run(zoo, V2)
+
+
+def _spied_generate(model, tokens, mask, reads=()) -> tuple[object, set]:
+    """``jstd.generate`` traced afresh, and which attention paths its blocks took: ``("attend_latent", True)`` for a
+    continued call attending in latent space, ``("attend_expanded", past)`` over expanded keys (``past``: whether it
+    continued a cache)."""
+    from jstd.nn.latent_attention import LatentAttention
+
+    taken, real = set(), (LatentAttention.attend_latent, LatentAttention.attend_expanded)
+
+    def latent(self, q, past, new, mask):
+        taken.add(("attend_latent", True))
+        return real[0](self, q, past, new, mask)
+
+    def expanded(self, q, kv_latent, rope_keys, mask, s, past):
+        taken.add(("attend_expanded", past is not None))
+        return real[1](self, q, kv_latent, rope_keys, mask, s, past)
+
+    jax.clear_caches()  # trace again: the paths are chosen while tracing
+    LatentAttention.attend_latent, LatentAttention.attend_expanded = latent, expanded
+    try:
+        gen = jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=generate.NEW, reads=reads)
+        jax.block_until_ready(gen.logits)
+    finally:
+        LatentAttention.attend_latent, LatentAttention.attend_expanded = real
+    return gen, taken
+
+
+@pytest.mark.parametrize("name", [V2, V3])
+def test_decoding_attends_in_latent_space(zoo, name):
+    """Greedy generation (7-token prompts, one left-padded by 2, 6 new tokens; the cases have no EOS id) equals
+    transformers' generate, tokens and each step's logits at float32 tolerance, along both attention paths: its
+    decoding steps attend in latent space (``attend_latent``: kv_b absorbed into the queries and after the
+    probabilities, no per-head keys or values of the cached positions), the prompt over expanded keys and values;
+    a generation reading attention_values (a per-head site: the step's own token's values) keeps every step on
+    the expanded path, its reads equal jstd.run's on the whole sequence at each step's position, and the two
+    paths' step logits agree within float32 roundings."""
+    _, _, model, ref, _ = zoo(name)
+    tokens, mask = generate.left_padded(model)
+    want_tokens, want_logits = generate.torch_generate(ref, dict(input_ids=tokens, attention_mask=mask))
+    latent, taken = _spied_generate(model, tokens, mask)
+    assert taken == {("attend_expanded", False), ("attend_latent", True)}, taken
+    site = A + "attention_values"
+    expanded, taken = _spied_generate(model, tokens, mask, reads=(site,))
+    assert taken == {("attend_expanded", False), ("attend_expanded", True)}, taken
+    for gen, path in ((latent, "latent"), (expanded, "expanded")):
+        np.testing.assert_array_equal(np.asarray(gen.tokens), want_tokens, f"{name}: {path} tokens")
+        assert_close(gen.logits, want_logits, 1e-5, f"{name}: {path} step logits")
+    assert_close(latent.logits, expanded.logits, 1e-5, f"{name}: latent vs expanded steps")
+    grown = np.concatenate([mask, np.ones((mask.shape[0], generate.NEW), mask.dtype)], 1)
+    whole = jit_run(model, jstd.Inputs(np.asarray(expanded.tokens), grown), reads=(site,))
+    steps = slice(tokens.shape[1] - 1, -1)  # [blocks, batch, heads, seq, v] at each step's position
+    assert_close(expanded[site], np.moveaxis(np.asarray(whole[site])[:, :, :, steps], 3, 2), 1e-5,
+                 f"{name}: attention_values read while generating")
+
+
+def test_latent_path_choice_and_products(zoo):
+    """``absorbs``: a decoding step (one token) attends in latent space unless attention_keys, attention_values, the
+    scores or the probabilities are read or edited there, or the pattern is frozen; a continued segment long enough
+    that scoring ``kv_lora + rope`` wide costs more than expanding (64 tokens here) takes the expanded path. The
+    absorbed products (``absorb``, ``unabsorb``: through kv_b's head-major copies) are kv_b's key and value parts
+    per head."""
+    from jstd.core.tap import Tap
+
+    attn = zoo(V2).model.layers.slots[0].attn
+    attn = jax.tree.map(lambda a: a[0] if isinstance(a, jax.Array) else a, attn)  # one block's weights
+    scope = lambda reads=(), edits=(): Tap(frozenset(reads), tuple(edits), {"layers": 3}, {}).scope("layers.")
+    assert attn.absorbs(scope(), 1, 100) and attn.absorbs(scope(("layers.layer_output", A + "attention_queries",
+                                                                  A + "kv_latent", A + "attention_head_outputs")), 1, 9)
+    for site in ("attention_keys", "attention_values", "attention_scores", "attention_probabilities"):
+        assert not attn.absorbs(scope((A + site,)), 1, 100), site
+        assert not attn.absorbs(scope(edits=[jstd.Zero(A + site)]), 1, 100), site
+    assert not dataclasses.replace(attn, frozen_pattern=True).absorbs(scope(), 1, 100)
+    assert attn.absorbs(scope(), 5, 6) and not attn.absorbs(scope(), 64, 0)
+
+    rng = np.random.default_rng(0)
+    kv_b = np.asarray(attn.kv_b, np.float64)
+    q_nope = jnp.asarray(rng.normal(size=(2, 4, 3, attn.nope)), jnp.float32)
+    mixed = jnp.asarray(rng.normal(size=(2, 4, 3, attn.kv_lora_rank)), jnp.float32)
+    got = jax.jit(lambda a, q, m: (a.absorb(q), a.unabsorb(m)))(attn, q_nope, mixed)
+    assert_close(got[0], np.einsum("bhsn,lhn->bhsl", q_nope, kv_b[..., :attn.nope]), 1e-6, "absorb")
+    assert_close(got[1], np.einsum("bhsl,lhv->bshv", mixed, kv_b[..., attn.nope:]), 1e-6, "unabsorb")
+
+
+def test_decoding_step_flops_do_not_expand_the_cache(zoo):
+    """The compiled decoding step's FLOPs (XLA's ``cost_analysis``) per cached position and block: in latent space
+    the scores and the mix over the latent (``2 · heads · (2 · kv_lora + rope)``, plus the softmax's elementwise
+    work), an order of magnitude under the expanded path's expansion alone (``2 · kv_lora · heads · (nope + v)``,
+    what every step computed before): the cache's latents are not expanded."""
+    from deepseek_cases import decode_step_flops
+
+    model = zoo(V2).model
+    attn, blocks = model.layers.slots[0].attn, model.config.num_layers
+    L, H, n, r, v = attn.kv_lora_rank, attn.o.shape[-3], attn.nope, attn.rope, attn.v_head_dim
+    slope = lambda reads: (decode_step_flops(model, 64, reads) - decode_step_flops(model, 32, reads)) / 32 / blocks
+    latent, expanded = slope(()), slope((A + "attention_values",))
+    assert 2 * H * (2 * L + r) <= latent <= 2 * H * (2 * L + r) + 16 * H, latent
+    assert expanded >= 2 * L * H * (n + v) > 10 * latent, (expanded, latent)
+
+
+def test_the_decoding_loop_copies_no_part_of_kv_b(zoo):
+    """The absorbed products read kv_b's head-major parts (``LatentAttention.head_major``) made once a generate call,
+    outside its decoding loop: inside the loop nothing but a product touches a value of their shapes (no transposed
+    or sliced copy of kv_b at every step)."""
+    import re
+
+    model = zoo(V2).model
+    attn = model.layers.slots[0].attn
+    H, L, n, v = attn.o.shape[-3], attn.kv_lora_rank, attn.nope, attn.v_head_dim
+    parts = {f"{H},{n},{L}", f"{H},{L},{v}", f"{L},{H},{n}", f"{L},{H},{v}", f"{H},{L},{n}", f"{H},{v},{L}"}
+    tokens, mask = generate.left_padded(model)
+    loop = generate._decoding_loop(generate.compiled_generate(model, tokens, mask).as_text(),
+                                   f"f32[{generate.NEW},{tokens.shape[0]},{model.config.vocab_size}]")
+    made = [line.strip()[:160] for line in loop
+            if (m := re.match(r"\s+%\S+ = \w+\[([\d,]*)\]\S* ([\w-]+)\(", line))
+            and m.group(1) in parts and m.group(2) not in ("get-tuple-element", "bitcast", "dot", "tuple")]
+    assert not made, "the decoding loop copies kv_b:\n" + "\n".join(made)
+
+
+def test_bfloat16_decoding_in_latent_space(zoo):
+    """In bfloat16 (V2), the latent path's step logits are as near the float32 generation's as the expanded path's
+    (a read of attention_values) and within bfloat16 roundings of them (relative RMS under 2e-2); the tokens are the
+    float32 generation's."""
+    tokens, mask = generate.left_padded(zoo(V2).model)
+    f32 = jstd.generate(zoo(V2).model, tokens, attention_mask=mask, max_new_tokens=generate.NEW)
+    model = zoo(V2, "bfloat16").model
+    run = lambda reads=(): jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=generate.NEW, reads=reads)
+    latent, expanded = run(), run((A + "attention_values",))
+    rms = lambda a, b: float(np.sqrt(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
+                                     / np.mean(np.asarray(b, np.float64) ** 2)))
+    for gen in (latent, expanded):
+        np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(f32.tokens))
+    assert rms(latent.logits, f32.logits) <= 1.25 * rms(expanded.logits, f32.logits), (
+        rms(latent.logits, f32.logits), rms(expanded.logits, f32.logits))
+    assert rms(latent.logits, expanded.logits) < 2e-2
 
 
 def test_routing_from_the_router_logits(zoo):

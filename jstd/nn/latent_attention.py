@@ -32,10 +32,18 @@ The rotary turns ``rope_keys`` and each query's last ``rope`` dims; ``rotary``:
 
 Cache (``jstd.Context``, ``jstd.generate``): a block caches ``kv_latent`` and ``rope_keys``, ``kv_lora_rank +
 rope`` numbers per position (576 on DeepSeek-V2/V3), not the per-head keys and values (``heads · (nope + rope +
-v_head_dim)``: 5120 on V2-Lite's 16 heads, 40960 on V3's 128). A continued run expands the cached latents into
-keys and values again. So an edit of ``attention_keys`` or ``attention_values`` cannot reach positions held in a
-cache: on a run that continues a context (a decoding step) such an edit raises, naming ``kv_latent`` /
-``rope_keys`` (which are cached as edited) instead.
+v_head_dim)``: 5120 on V2-Lite's 16 heads, 40960 on V3's 128). So an edit of ``attention_keys`` or
+``attention_values`` cannot reach positions held in a cache: on a run that continues a context (a decoding step)
+such an edit raises, naming ``kv_latent`` / ``rope_keys`` (which are cached as edited) instead.
+
+A continued run (a decoding step; a short ``Context`` segment) attends in latent space (``attend_latent``, weight
+absorption): ``kv_b``'s key part folded into the queries, scored against the cached latent itself, its value part
+applied after the probabilities, so a step costs ``O(cached · heads · (kv_lora + rope))`` instead of expanding
+every cached latent (``O(cached · kv_lora · heads · (nope + v_head_dim))``). The same function, roundings apart
+(float32 tolerance against transformers); it is taken only where exact for the call (``absorbs``): where
+``attention_keys``, ``attention_values``, the scores or the probabilities are read or edited (or the pattern is
+frozen), and for a segment long enough that expanding costs less, the run expands the cached latents into keys and
+values (``attend_expanded``). The prompt (a run without a cache) always expands.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from jstd.core.tap import Taps
 from jstd.kernels import attention as attn_kernels
@@ -138,8 +146,90 @@ class LatentAttention(eqx.Module):
         rope_keys = self.rotate(compressed[:, None, :, self.kv_lora_rank:], cos_sin)[:, 0]
         rope_keys = s("self_attn.rope_keys", rope_keys)
         q = jnp.concatenate([q[..., :self.nope], self.rotate(q[..., self.nope:], cos_sin)], axis=-1)
-        k_nope, v = self.expand(kv_latent)
         q = s("self_attn.attention_queries", q)
+        past = None if past is None else tuple(c[:, 0].astype(x.dtype) for c in past)
+        if past is not None and self.absorbs(s, x.shape[1], past[0].shape[1]):
+            heads = self.attend_latent(q, past, (kv_latent, rope_keys), mask)
+        else:
+            heads = self.attend_expanded(q, kv_latent, rope_keys, mask, s, past)
+        heads = s("self_attn.attention_head_outputs", heads)
+        heads = s("self_attn.attention_premix", heads)
+        return add_bias(flat_product(heads, self.o, 2), self.o_bias)
+
+    def absorbs(self, s: Taps, seq: int, cached: int) -> bool:
+        """Whether a continued call of ``seq`` tokens over ``cached`` cached positions attends in latent space
+        (``attend_latent``) rather than over expanded keys and values (``attend_expanded``): the same function, so
+        only where nobody reads or edits what only the expanded path computes (``attention_keys``,
+        ``attention_values``, scores, probabilities; no frozen pattern), and where it costs fewer products (a
+        decoding step always does: the expansion of every cached latent is gone; a long continued segment does
+        not, since each of its tokens then scores ``kv_lora + rope`` wide instead of ``nope + rope``)."""
+        per_head = ("self_attn.attention_keys", "self_attn.attention_values", "self_attn.attention_scores",
+                    "self_attn.attention_probabilities")
+        if self.frozen_pattern or s.touches(*per_head):
+            return False
+        keys, L, n, r, v = cached + seq, self.kv_lora_rank, self.nope, self.rope, self.v_head_dim
+        latent = seq * L * (n + v) + seq * keys * 2 * (L + r)  # absorbing and unabsorbing, scores and mix
+        expanded = keys * L * (n + v) + seq * keys * 2 * (n + r)  # the expansion, scores and mix (values padded)
+        return latent < expanded
+
+    def attend_latent(self, q: Float[Array, "batch heads seq qk_head_dim"], past: tuple[Array, Array],
+                      new: tuple[Array, Array], mask: Bool[Array, "batch 1 seq keys"]
+                      ) -> Float[Array, "batch seq heads v"]:
+        """Each head's output without per-head keys or values (weight absorption). ``past``: the cached
+        ``(kv_latent, rope_keys)`` ``[batch, cached, kv_lora]`` / ``[batch, cached, rope]``; ``new``: the call's own;
+        ``mask`` over the cached positions then the call's.
+
+        ``kv_b``'s key part is folded into the query (``absorb``: a query ``kv_lora`` wide), scored against the
+        latent itself, the rotary part against ``rope_keys`` (one key "head" serves every query head); the
+        probabilities (softmax in float32) times the latent, then ``kv_b``'s value part per head (``unabsorb``).
+        The same function as ``attend_expanded`` (``q_nope · (W_uk c) = (q_nope W_ukᵀ) · c``, ``Σ p · W_uv c =
+        W_uv Σ p c``; the roundings differ). The cache is read where it lies: its part of the scores and of the mix
+        is computed apart from the call's own tokens', never concatenated with them."""
+        b, h, s, _ = q.shape
+        f32 = jnp.promote_types(q.dtype, jnp.float32)
+        rows = lambda x: x.reshape(b, h * s, x.shape[-1])  # each batch row's heads × tokens, head-major: free
+        absorbed, rotary = rows(self.absorb(q[..., :self.nope]).astype(q.dtype)), rows(q[..., self.nope:])
+
+        def scores(latent, rope_keys):
+            return (jnp.einsum("bql,bkl->bqk", absorbed, latent, preferred_element_type=f32)
+                    + jnp.einsum("bqr,bkr->bqk", rotary, rope_keys.astype(q.dtype), preferred_element_type=f32))
+
+        logits = jnp.concatenate([scores(*past), scores(*new)], axis=-1).reshape(b, h, s, -1) * self.scale
+        logits = jnp.where(mask, logits, jnp.finfo(f32).min)
+        p = rows(jax.nn.softmax(logits, axis=-1).astype(q.dtype))
+        cached = past[0].shape[1]
+        mixed = (jnp.einsum("bqk,bkl->bql", p[..., :cached], past[0], preferred_element_type=f32)
+                 + jnp.einsum("bqk,bkl->bql", p[..., cached:], new[0], preferred_element_type=f32))
+        return self.unabsorb(mixed.reshape(b, h, s, -1)).astype(q.dtype)
+
+    def absorb(self, q_nope: Float[Array, "batch heads seq nope"]) -> Float[Array, "batch heads seq kv_lora"]:
+        """Each head's unrotated query through its key part of ``kv_b``: ``q_nope · W_ukᵀ`` (float32 products)."""
+        w_uk, _ = self.head_major()
+        return jnp.einsum("bhsn,hnl->bhsl", q_nope, w_uk, preferred_element_type=jnp.float32)
+
+    def unabsorb(self, mixed: Float[Array, "batch heads seq kv_lora"]) -> Float[Array, "batch seq heads v"]:
+        """Each head's probability-weighted latent through its value part of ``kv_b`` (float32 products)."""
+        _, w_uv = self.head_major()
+        return jnp.swapaxes(jnp.einsum("bhsl,hlv->bhsv", mixed, w_uv, preferred_element_type=jnp.float32), 1, 2)
+
+    def head_major(self) -> tuple[Float[Array, "heads nope kv_lora"], Float[Array, "heads kv_lora v"]]:
+        """``kv_b``'s key and value parts laid out as products batched over the heads read them: ``[heads, nope,
+        kv_lora]`` and ``[heads, kv_lora, v]``.
+
+        Copies, made behind an optimization barrier so that XLA keeps them as they are: in a loop over decoding
+        steps (``generate``'s) they depend on no step, and XLA hoists them out of the loop, once a call. Without
+        the barrier the transposes fold into the products, and XLA:CPU's layout assignment (after the hoisting)
+        puts a transposed copy of ``kv_b`` inside every step. (A multiply-and-sum that reads ``kv_b`` in place
+        instead is an unvectorised reduction there, far slower than the copy.)"""
+        w_uk = jnp.transpose(self.kv_b[..., :self.nope], (1, 2, 0))
+        w_uv = jnp.swapaxes(self.kv_b[..., self.nope:], 0, 1)
+        return jax.lax.optimization_barrier((w_uk, w_uv))
+
+    def attend_expanded(self, q, kv_latent, rope_keys, mask, s: Taps, past) -> Float[Array, "batch seq heads v"]:
+        """Attention over per-head keys and values: the latents (``past``: the cached ``(kv_latent, rope_keys)``
+        ``[batch, cached, ...]``, then the call's own) expanded through ``kv_b`` (``expand``), the keys, values,
+        scores and probabilities tapped."""
+        k_nope, v = self.expand(kv_latent)
         k = self.keys(k_nope, rope_keys)
         k_edited = s("self_attn.attention_keys", k)
         v_edited = s("self_attn.attention_values", v)
@@ -151,7 +241,7 @@ class LatentAttention(eqx.Module):
                     "run (a Context, a generate step). Edit layers.self_attn.kv_latent (the keys' unrotated parts "
                     "and the values) or layers.self_attn.rope_keys (the keys' rotary part) instead, or run the "
                     "whole sequence with jstd.run")
-            cached_latent, cached_rope = (c[:, 0].astype(x.dtype) for c in past)
+            cached_latent, cached_rope = past
             past_k_nope, past_v = self.expand(cached_latent)
             k_edited = jnp.concatenate([self.keys(past_k_nope, cached_rope), k_edited], axis=2)
             v_edited = jnp.concatenate([past_v, v_edited], axis=2)
@@ -160,13 +250,10 @@ class LatentAttention(eqx.Module):
         if self.frozen_pattern or s.touches(*interior):
             scores = s("self_attn.attention_scores", attn_kernels.scores(q, k, self.scale, mask))
             probs = s("self_attn.attention_probabilities", attn_kernels.probabilities(scores).astype(v.dtype))
-            heads = attn_kernels.mix(jax.lax.stop_gradient(probs) if self.frozen_pattern else probs, v)
-        else:  # the fused kernel takes values as wide as the keys: zero columns, dropped after
-            wide = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
-            heads = attn_kernels.fused(q, k, wide, self.scale, mask)[..., :v.shape[-1]]
-        heads = s("self_attn.attention_head_outputs", heads)
-        heads = s("self_attn.attention_premix", heads)
-        return add_bias(flat_product(heads, self.o, 2), self.o_bias)
+            return attn_kernels.mix(jax.lax.stop_gradient(probs) if self.frozen_pattern else probs, v)
+        # the fused kernel takes values as wide as the keys: zero columns, dropped after
+        wide = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
+        return attn_kernels.fused(q, k, wide, self.scale, mask)[..., :v.shape[-1]]
 
     def entries(self, names=None) -> list[Entry]:
         """Its checkpoint tensors relative to it: ``q_proj`` or ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``,
