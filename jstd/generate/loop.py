@@ -256,6 +256,8 @@ def _decoding_loop(model, stepper, inputs: Inputs, edits, sampling, key, eos, pa
     tokens = jnp.asarray(inputs.tokens)
     batch, prompt = tokens.shape
     out, cache = prefill(model, inputs, edits, new, reads)
+    if stepper is not model.decoder:  # the blocks unrolled: each reads its own cache arrays (Cache)
+        cache = cache.per_block()
     stopped = lambda token: (token[:, None] == eos[None, :]).any(-1)
 
     logits0 = out.logits[:, -1]
