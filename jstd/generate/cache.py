@@ -150,7 +150,8 @@ def decode(model: Model, cache: Cache, token: Int[Array, "batch"], at: Int[Array
         (k_site, _), (v_site, _) = cache_layout(model)
         new_k, new_v = as_cached(step[k_site]), as_cached(step[v_site])
         if isinstance(keys, tuple):
-            keys, values = (_written(a, new, at, step.logits, cache.dtype) for a, new in ((keys, new_k), (values, new_v)))
+            write = lambda arrays, rows: _written(arrays, rows, at, step.logits, cache.dtype)
+            keys, values = write(keys, new_k), write(values, new_v)
         else:
             keys = jax.lax.dynamic_update_slice_in_dim(keys, new_k.astype(keys.dtype), at, axis=3)
             values = jax.lax.dynamic_update_slice_in_dim(values, new_v.astype(values.dtype), at, axis=3)
