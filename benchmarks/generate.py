@@ -21,6 +21,11 @@ decoding of ``--new`` tokens (default 128) after a ``--prompt``-token prompt
 - the compiled ``generate``'s temporary memory against the weights' bytes
   (bfloat16 on XLA:CPU: the float32 copies of the weights that XLA hoists out
   of the loop, see docs/benchmarks.md);
+- what a decoding step moves besides the weights, read from the compiled loop
+  (``step_writes``, not timed): the buffers it writes besides its products'
+  outputs and its in-place cache and logits writes (written, then read: twice
+  their bytes), copies included, plus the whole cache it attends (every
+  position, masked), against the weights' bytes; batch 1 and the sweep;
 - flatness: the best time of decode steps 1-32 and of the last 32 steps,
   each step run alone (``jstd.generate.stream``'s jitted step, the same
   forward over the same preallocated cache as ``generate``'s loop);
@@ -98,9 +103,9 @@ def products_alone(stepper, steps: int):
     return (lambda: chain(flat, x).block_until_ready()), sum(w.nbytes for w in flat)
 
 
-def compiled_temp_bytes(model, tokens, new: int) -> int:
-    """The temporary memory (XLA's ``memory_analysis``) of the program ``jstd.generate(model, tokens,
-    max_new_tokens=new, eos_token_id=())`` compiles: the cache, the logits, and whatever XLA keeps beside the
+def compiled_generate(model, tokens, new: int):
+    """The compiled program of ``jstd.generate(model, tokens, max_new_tokens=new, eos_token_id=())`` (which this
+    runs once). Its ``memory_analysis`` temporaries: the cache, the logits, and whatever XLA keeps beside the
     weights (on bfloat16 weights on XLA:CPU, float32 copies of them hoisted out of the loop)."""
     import importlib
 
@@ -110,7 +115,7 @@ def compiled_temp_bytes(model, tokens, new: int) -> int:
     real, seen = loop._jit_generate, {}
 
     def spy(dynamic, structure, static):
-        seen["temp"] = real.lower(dynamic, structure, static).compile().memory_analysis().temp_size_in_bytes
+        seen["compiled"] = real.lower(dynamic, structure, static).compile()
         return real(dynamic, structure, static)
 
     loop._jit_generate = spy
@@ -118,7 +123,19 @@ def compiled_temp_bytes(model, tokens, new: int) -> int:
         jstd.generate(model, tokens, max_new_tokens=new, eos_token_id=()).tokens.block_until_ready()
     finally:
         loop._jit_generate = real
-    return seen["temp"]
+    return seen["compiled"]
+
+
+def step_writes(hlo: str, logits_shape: str) -> tuple[int, int]:
+    """``(made, copied)``: the bytes each step of a compiled generate's decoding loop (the ``while`` whose state
+    holds the logits buffer of ``logits_shape``, e.g. ``[128,1,8192]``) writes into buffers of its own besides
+    its products' outputs and its in-place writes of the cache and the logits (activations, concatenations,
+    slices, conversions), and the bytes it copies (``copy`` instructions); from the optimized HLO, not timed."""
+    from decoding_hlo import step_buffers
+
+    buffers = step_buffers(hlo, logits_shape)
+    return (sum(size for size, kind, _ in buffers if kind == "made"),
+            sum(size for size, kind, _ in buffers if kind == "copy"))
 
 
 def product_times(rows=(1, 8), count: int = 36, embed: int = 512, mlp: int = 1408) -> dict:
@@ -213,10 +230,12 @@ def main():
         "products": run_products}, args.repeats)
     t_products = both["products"][0] / new
     t_step = both["generate"][0] / new
-    temp = compiled_temp_bytes(model, tokens, new)
+    compiled = compiled_generate(model, tokens, new)
+    temp = compiled.memory_analysis().temp_size_in_bytes
     c, itemsize = model.config, jnp.dtype(args.dtype).itemsize
-    cache_and_logits = (2 * c.num_layers * c.num_kv_heads * (args.prompt + new) * c.head_dim * itemsize
-                        + gen.logits.nbytes)
+    cache = 2 * c.num_layers * c.num_kv_heads * (args.prompt + new) * c.head_dim * itemsize  # batch 1
+    cache_and_logits = cache + gen.logits.nbytes
+    made, copied = step_writes(compiled.as_text(), f"[{new},1,{c.vocab_size}]")
 
     # flatness: each decode step alone
     steps = []
@@ -235,6 +254,8 @@ def main():
     steer = lambda s: jstd.generate(model, tokens, [jstd.Add("layers.layer_output", s * v, layer=4)],
                                     max_new_tokens=new, eos_token_id=())
     swept = jax.jit(jax.vmap(steer))
+    swept_made, swept_copied = step_writes(swept.lower(strengths).compile().as_text(),
+                                           f"[{args.sweep},{new},1,{c.vocab_size}]")
     swept(strengths).tokens.block_until_ready()
     steer(strengths[0]).tokens.block_until_ready()
     t_swept = common.timeit(lambda: swept(strengths).tokens.block_until_ready(), args.repeats, 1)
@@ -261,6 +282,13 @@ def main():
         ("compiled generate's temporary memory / the weights' bytes", f"{temp / weights:.2f}x",
          f"{temp / 2**20:.1f} MiB vs {weights / 2**20:.1f} MiB (of which the cache and the logits: "
          f"{cache_and_logits / 2**20:.1f} MiB)"),
+        ("a decoding step's memory traffic besides the weights / the weights' bytes (compiled loop, not timed)",
+         f"{(2 * (made + copied) + cache) / weights:.3f}x",
+         f"batch 1: writes {made / 2**20:.2f} MiB besides its products and its in-place cache and logits writes "
+         f"(copies {copied / 2**20:.2f} MiB), each read again, and reads the whole cache, {cache / 2**20:.2f} MiB "
+         f"(every position, masked); the {args.sweep}-strength sweep: writes {swept_made / 2**20:.2f} MiB (copies "
+         f"{swept_copied / 2**20:.2f} MiB), reads its caches, {args.sweep * cache / 2**20:.2f} MiB, "
+         f"{(2 * (swept_made + swept_copied) + args.sweep * cache) / weights:.3f}x the weights"),
         ("per-token decode cost, last 32 / first 32 steps", f"{late / early:.2f}x",
          f"{late * 1e3:.2f} ms vs {early * 1e3:.2f} ms (best of each 32; medians {statistics.median(steps[-32:]) * 1e3:.2f} "
          f"vs {statistics.median(steps[1:33]) * 1e3:.2f} ms; steps run one at a time)"),

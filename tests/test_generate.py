@@ -20,6 +20,7 @@ import families
 import jstd
 from jstd.nn.params import with_fields
 from conftest import assert_close
+from decoding_hlo import decoding_loop, step_buffers
 from jstd.cli import main
 from reference.harness import TorchEdit
 from reference.cases import jit_run
@@ -234,28 +235,8 @@ def test_generate_command_streams_the_greedy_tokens_of_transformers(capsys):
     assert capsys.readouterr().out == proc.decode(want[0], skip_special_tokens=True) + "\n"
 
 
-def _decoding_loop(hlo: str, carried: str) -> list[str]:
-    """The instructions of the optimized program's decoding loop (the ENTRY ``while`` whose state holds
-    ``carried``, a shape like ``f32[6,2,512]``) and of the loops inside it, fusions' insides excluded."""
-    blocks, name = {}, None
-    for line in hlo.splitlines():
-        if line and not line.startswith(" ") and line.endswith("{"):
-            name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-            blocks[name] = []
-        elif name and line.startswith("  "):
-            blocks[name].append(line)
-    entry = next(n for n in blocks if any(" while(" in l for l in blocks[n]) and hlo.find("ENTRY %" + n) >= 0)
-    loop = next(l for l in blocks[entry] if " while(" in l and carried in l)
-    found, todo = [], [loop.split("body=%")[1].split(",")[0].split()[0]]
-    while todo:
-        body = blocks[todo.pop()]
-        found += body
-        todo += [l.split("body=%")[1].split(",")[0].split()[0] for l in body if " while(" in l]
-    return found
-
-
-def compiled_generate(model, tokens, mask):
-    """The compiled program of ``jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW,
+def compiled_generate(model, tokens, mask, new=NEW):
+    """The compiled program of ``jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=new,
     eos_token_id=())``, which this runs once."""
     import importlib
 
@@ -268,7 +249,7 @@ def compiled_generate(model, tokens, mask):
 
     loop._jit_generate = spy
     try:
-        jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=NEW, eos_token_id=())
+        jstd.generate(model, tokens, attention_mask=mask, max_new_tokens=new, eos_token_id=())
     finally:
         loop._jit_generate = real
     return compiled[-1]
@@ -284,7 +265,7 @@ def test_the_decoding_loop_reads_every_weight_where_it_lies(zoo, name):
     _, _, model, _, _ = zoo(name)
     tokens, mask = left_padded(model, seed=6)
     vocab = model.config.vocab_size
-    loop = _decoding_loop(compiled_generate(model, tokens, mask).as_text(), f"f32[{NEW},{tokens.shape[0]},{vocab}]")
+    loop = decoding_loop(compiled_generate(model, tokens, mask).as_text(), f"f32[{NEW},{tokens.shape[0]},{vocab}]")
     # the weights in the loop: its state's entries of a product weight's shape, per block or stacked (and bitcasts
     # of them; the DeltaNet convolutions' are read elementwise, in place, and per-head biases [heads, head_dim] are
     # added to a product's output, which is no copy of them)
@@ -305,6 +286,31 @@ def test_the_decoding_loop_reads_every_weight_where_it_lies(zoo, name):
             made.append(line.strip()[:160])  # a whole weight's worth made from a weight (kCustom: a library dot)
     assert held, "no weight found in the decoding loop"
     assert not made, "the decoding loop copies weights:\n" + "\n".join(made)
+
+
+def test_a_decoding_step_copies_no_cache():
+    """Each decoding step attends every block's cache where it lies and writes its keys and values into it in
+    place: in the compiled loop, nothing but an in-place write (and a product) makes a buffer as large as one
+    block's cache — no copy of the cache carried from step to step, no concatenation of a block's cache with the
+    step's own keys, no block's slice out of a stacked cache. Batch 1, and under ``jax.vmap`` over steering
+    strengths (a cache per strength)."""
+    model = jstd.load(ASSET)
+    c, prompt, new = model.config, 56, 4  # a long prompt: one block's cache outsizes a row's logits
+    tokens = np.random.default_rng(10).integers(1, c.vocab_size, (1, prompt))
+    steer = lambda s: jstd.generate(model, tokens, [jstd.Add("layers.layer_output", s * jnp.ones(c.hidden_size),
+                                                                layer=1)], max_new_tokens=new, eos_token_id=())
+    programs = {  # rows of cache -> (the compiled program, the loop's logits buffer)
+        1: (compiled_generate(model, tokens, None, new).as_text(), f"f32[{new},1,{c.vocab_size}]"),
+        3: (jax.jit(jax.vmap(steer)).lower(jnp.linspace(0.0, 1.0, 3)).compile().as_text(),
+            f"f32[3,{new},1,{c.vocab_size}]"),
+    }
+    for rows, (hlo, logits) in programs.items():
+        block_cache = rows * c.num_kv_heads * (prompt + new) * c.head_dim * 4  # float32 keys of one block
+        made = step_buffers(hlo, logits)
+        big = [line for size, kind, line in made if kind in ("made", "copy") and size >= block_cache]
+        assert not big, f"{rows} row(s): a decoding step makes a cache-sized buffer:\n" + "\n".join(big)
+        writes = sum(kind == "in place" for _, kind, _ in made)
+        assert writes >= 2 * c.num_layers, f"{writes} in-place writes: not one a block's keys and values"
 
 
 def test_the_budget_counts_the_float32_copies_of_bfloat16_weights():

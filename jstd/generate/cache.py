@@ -7,6 +7,12 @@ latent and shared rotary key instead: ``core.context.cache_layout``),
 written at each step's position; DeltaNet blocks' recurrent state and their
 convolution's last inputs, replaced each step. Every step has the same cost
 whatever its position: entries at or after the step's position are masked.
+
+Where the decoding loop runs the blocks unrolled (``stepper``), it holds the keys and values one array per block
+(``Cache.per_block``) and a step moves nothing the size of the cache but the attention's read of it: each block's
+attention reads its own array where it lies, the cached keys beside the step's own (not concatenated with them:
+``kernels.attention.grouped``), and the step's keys and values are written into the arrays in place (``decode``;
+tests/test_generate.py reads the compiled loop for copies).
 """
 
 from __future__ import annotations
@@ -30,20 +36,52 @@ IMAGE_PREFIXES = ("vision.", "projector.")  # the sites of the tower and the pro
 class Cache(eqx.Module):
     """What decoding continues from, preallocated for the whole sequence (prompt + new): softmax blocks' keys and
     values (written at each step's position), DeltaNet blocks' state and last convolution inputs, the padding mask
-    over every position, and a multimodal rotary's prompt position ids."""
+    over every position, and a multimodal rotary's prompt position ids.
 
-    keys: Array | None
-    values: Array | None
+    ``keys`` and ``values`` are stacked over the blocks ``[blocks, batch, heads, positions, width]`` as ``prefill``
+    leaves them, or held one array per block (``per_block``: a tuple of ``[batch, heads, positions, width]``), as
+    the decoding loop carries them when it runs the blocks unrolled: then each block's attention reads its own
+    array where it lies (a block's slice of a stacked array is a copy on XLA:CPU) and each step writes its keys
+    and values into them in place (``decode``).
+    """
+
+    keys: Array | tuple[Array, ...] | None
+    values: Array | tuple[Array, ...] | None
     states: Array | None
     conv: Array | None
     mask: Array
     rope: Array | None
+    dtype: str | None = eqx.field(static=True, default=None)  # per block: the keys' and values' dtype (as_bits)
 
     def context(self, at) -> Context:
         """The context of one new token per row at position ``at``."""
         batch = self.mask.shape[0]
-        return Context(jnp.full((batch, 1), at, jnp.int32), self.keys, self.values, self.states, self.conv,
-                       None, None, self.mask, self.rope)
+        # held per block: XLA folds the stack away, each block's slice of it being that block's own array
+        stacked = lambda a: jnp.stack([from_bits(x, self.dtype) for x in a]) if isinstance(a, tuple) else a
+        return Context(jnp.full((batch, 1), at, jnp.int32), stacked(self.keys), stacked(self.values), self.states,
+                       self.conv, None, None, self.mask, self.rope)
+
+    def per_block(self) -> "Cache":
+        """The cache with its keys and values held one array per block (``as_bits``; itself if they are already)."""
+        if self.keys is None or isinstance(self.keys, tuple):
+            return self
+        split = lambda a: tuple(as_bits(a[i]) for i in range(a.shape[0]))
+        return Cache(split(self.keys), split(self.values), self.states, self.conv, self.mask, self.rope,
+                     jnp.dtype(self.keys.dtype).name)
+
+
+def as_bits(x: Array) -> Array:
+    """``x`` as a buffer XLA:CPU writes slices into in place: a 16-bit float's bits as uint16 (a slice written into
+    a bfloat16 or float16 array converts the whole array to float32 and back, at every write), anything else as
+    it is. ``from_bits`` undoes it (free: the same bytes)."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2:
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def from_bits(x: Array, dtype) -> Array:
+    """``x`` (``as_bits`` of an array of ``dtype``) as that array."""
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != jnp.dtype(dtype) else x
 
 
 def edits_at(edits: tuple, start, length: int, prefill: bool) -> tuple:
@@ -110,12 +148,31 @@ def decode(model: Model, cache: Cache, token: Int[Array, "batch"], at: Int[Array
     keys, values, states, conv = cache.keys, cache.values, cache.states, cache.conv
     if keys is not None:
         (k_site, _), (v_site, _) = cache_layout(model)
-        keys = jax.lax.dynamic_update_slice_in_dim(keys, as_cached(step[k_site]).astype(keys.dtype), at, axis=3)
-        values = jax.lax.dynamic_update_slice_in_dim(values, as_cached(step[v_site]).astype(values.dtype), at, axis=3)
+        new_k, new_v = as_cached(step[k_site]), as_cached(step[v_site])
+        if isinstance(keys, tuple):
+            write = lambda arrays, rows: _written(arrays, rows, at, step.logits, cache.dtype)
+            keys, values = write(keys, new_k), write(values, new_v)
+        else:
+            keys = jax.lax.dynamic_update_slice_in_dim(keys, new_k.astype(keys.dtype), at, axis=3)
+            values = jax.lax.dynamic_update_slice_in_dim(values, new_v.astype(values.dtype), at, axis=3)
     if states is not None:
         states = step[STATE_OUTPUT].astype(jnp.float32)
         conv = jnp.concatenate([conv[:, :, 1:], step[MIXER_INPUTS][_linear_rows(model)].astype(conv.dtype)], axis=2)
-    return step, Cache(keys, values, states, conv, cache.mask, cache.rope)
+    return step, Cache(keys, values, states, conv, cache.mask, cache.rope, cache.dtype)
+
+
+def _written(arrays: tuple[Array, ...], rows: Array, at, logits: Array, dtype: str) -> tuple[Array, ...]:
+    """Each block's array (``as_bits`` of ``dtype``) with its ``rows[block]`` (``[batch, heads, 1, width]``)
+    written at position ``at``, in place: the write comes after every read of the arrays in the step.
+
+    XLA writes an array in place only where it can order the write after each read of the old array, which it
+    knows from the data alone. Block ``b``'s keys exist before its attention reads the cache, so a plain write may
+    run first, and XLA then copies every written array each step. The rows written here pass through a select on
+    the step's logits, which come after every block's attention: each row's ``argmax >= 0``, always true (the
+    rows are exactly the step's), but XLA cannot fold it away."""
+    after = jnp.argmax(logits[:, -1], axis=-1) >= 0  # [batch]
+    rows = as_bits(jnp.where(after[None, :, None, None, None], rows, jnp.zeros((), rows.dtype)).astype(dtype))
+    return tuple(jax.lax.dynamic_update_slice_in_dim(a, r, at, axis=2) for a, r in zip(arrays, rows))
 
 
 def stepper(model: Model) -> Model:

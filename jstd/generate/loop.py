@@ -19,7 +19,7 @@ from jstd.core.inputs import Inputs, as_inputs, token_array, with_layout
 from jstd.core.jit import combine, partition
 from jstd.core.sites import SITES, SiteError, parse
 from jstd.generate.budget import check_fits, check_max_new_tokens, check_positions
-from jstd.generate.cache import IMAGE_PREFIXES, decode, prefill, stepper
+from jstd.generate.cache import IMAGE_PREFIXES, as_bits, decode, from_bits, prefill, stepper
 from jstd.generate.sampling import Sampling, next_token
 from jstd.nn.model import Model
 from jstd.run import as_reads, check_sites, check_tokens
@@ -256,18 +256,21 @@ def _decoding_loop(model, stepper, inputs: Inputs, edits, sampling, key, eos, pa
     tokens = jnp.asarray(inputs.tokens)
     batch, prompt = tokens.shape
     out, cache = prefill(model, inputs, edits, new, reads)
+    if stepper is not model.decoder:  # the blocks unrolled: each reads its own cache arrays (Cache)
+        cache = cache.per_block()
     stopped = lambda token: (token[:, None] == eos[None, :]).any(-1)
 
     logits0 = out.logits[:, -1]
     token0 = next_token(sampling, logits0, key, 0)
     sequence = jnp.concatenate([tokens.astype(jnp.int32), jnp.broadcast_to(pad, (batch, new)).astype(jnp.int32)], 1)
     sequence = sequence.at[:, prompt].set(token0)
-    logits = jnp.zeros((new,) + logits0.shape, logits0.dtype).at[0].set(logits0)  # step-major: see the return
-    kept = {}
+    # the buffers written a row per step are held as_bits (a bfloat16 one: each write would convert it whole)
+    logits = as_bits(jnp.zeros((new,) + logits0.shape, logits0.dtype).at[0].set(logits0))  # step-major: the return
+    kept, dtypes = {}, {}
     for r in reads:
         v = jnp.expand_dims(_one_position(r, out[r], prompt - 1), _b(r))
         buffer = jnp.zeros(v.shape[:_b(r)] + (new,) + v.shape[_b(r) + 1:], v.dtype)
-        kept[r] = jax.lax.dynamic_update_slice_in_dim(buffer, v, 0, axis=_b(r))
+        kept[r], dtypes[r] = as_bits(jax.lax.dynamic_update_slice_in_dim(buffer, v, 0, axis=_b(r))), v.dtype
 
     def body(carry):
         i, done, sequence, logits, kept, cache = carry
@@ -277,9 +280,9 @@ def _decoding_loop(model, stepper, inputs: Inputs, edits, sampling, key, eos, pa
         now = step.logits[:, -1]
         chosen = jnp.where(done, pad, next_token(sampling, now, key, i))
         sequence = jax.lax.dynamic_update_slice_in_dim(sequence, chosen[:, None], prompt + i, axis=1)
-        logits = jax.lax.dynamic_update_index_in_dim(logits, now.astype(logits.dtype), i, axis=0)
+        logits = jax.lax.dynamic_update_index_in_dim(logits, as_bits(now.astype(logits0.dtype)), i, axis=0)
         kept = {r: jax.lax.dynamic_update_slice_in_dim(
-                    buf, jnp.expand_dims(_one_position(r, step[r], 0), _b(r)).astype(buf.dtype), i, axis=_b(r))
+                    buf, as_bits(jnp.expand_dims(_one_position(r, step[r], 0), _b(r)).astype(dtypes[r])), i, axis=_b(r))
                 for r, buf in kept.items()}
         return i + 1, done | stopped(chosen), sequence, logits, kept, cache
 
@@ -293,4 +296,5 @@ def _decoding_loop(model, stepper, inputs: Inputs, edits, sampling, key, eos, pa
     _, _, sequence, logits, kept, _ = jax.lax.while_loop(going, body, carry)
     # the logits were kept step-major ([new, batch, vocab]): written batch-major, the loop rewrote the whole buffer
     # at every step on XLA:CPU instead of one row per row
-    return Generation(sequence, jnp.swapaxes(logits, 0, 1), kept)
+    return Generation(sequence, jnp.swapaxes(from_bits(logits, logits0.dtype), 0, 1),
+                      {r: from_bits(v, dtypes[r]) for r, v in kept.items()})

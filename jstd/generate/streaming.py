@@ -3,6 +3,7 @@ they can be shown as they come; the tokens ``generate`` gives without edits."""
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator, Sequence
 
 import equinox as eqx
@@ -34,10 +35,13 @@ def stream(model: Model, inputs: Int[ArrayLike, "batch prompt"] | Inputs, *, max
     key = jax.random.key(0) if key is None else key
     token, cache = _stream_start(model, inputs, sampling, key, max_new_tokens)
     decoder = stepper(model)
+    if decoder is not model.decoder:  # the blocks unrolled: each reads its own cache arrays, as in generate's loop
+        cache = cache.per_block()
     out = []
     for i in range(max_new_tokens):
         if i:
-            token, cache = _stream_next(decoder, cache, token, jnp.asarray(prompt + i - 1), sampling, key, jnp.asarray(i))
+            token, cache = _stream_next((decoder, sampling, key), cache, token, jnp.asarray(prompt + i - 1),
+                                        jnp.asarray(i))
         out.append(int(np.asarray(token)[0]))
         yield list(out)
         if out[-1] in eos:
@@ -50,7 +54,10 @@ def _stream_start(model, inputs, sampling, key, new):
     return next_token(sampling, out.logits[:, -1], key, 0), cache
 
 
-@eqx.filter_jit
-def _stream_next(model, cache, token, at, sampling, key, i):
+@functools.partial(eqx.filter_jit, donate="all-except-first")
+def _stream_next(fixed, cache, token, at, i):
+    """The next token and the cache: the cache donated, so that each step writes it in place as generate's loop
+    does (not copied into a new one per call)."""
+    model, sampling, key = fixed
     step, cache = decode(model, cache, token, at, ())
     return next_token(sampling, step.logits[:, -1], key, i), cache

@@ -230,19 +230,27 @@ def fused(
     q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], v: Float[Array, "batch kv_heads k dim"],
     scale: float, mask: Bool[Array, "batch 1 q k"] | None, options: ScoreOptions | None = PLAIN,
     sinks: Float[Array, "heads"] | None = None,
+    past: tuple[Float[Array, "batch kv_heads cached dim"], Float[Array, "batch kv_heads cached dim"]] | None = None,
 ) -> Float[Array, "batch q heads dim"]:
     """The same function through ``jax.nn.dot_product_attention`` (cuDNN/flash where available; ALiBi as its
     ``bias``); with ``sinks`` or options that kernel has no place for (``ScoreOptions.plain`` false) the explicit
     computation, unmaterialized, the probabilities cast to the values' dtype after the softmax. ``options`` as
-    ``scores``'."""
+    ``scores``'.
+
+    ``past``: cached ``(keys, values)`` that come before ``k`` and ``v`` on the key axis (``mask`` spans both). On
+    the CPU's plain path they are attended where they lie (``grouped``): a decoding step reads each block's cache
+    once instead of copying it next to the token's own key; elsewhere they are concatenated first."""
     q, scale, options = checked_options(options).queries(q, scale)
+    if past is not None and not (options.plain and sinks is None and platform() == "cpu"):
+        k, v = (jnp.concatenate([cached.astype(own.dtype), own], axis=2) for cached, own in zip(past, (k, v)))
+        past = None
     if sinks is not None:
         return mix(sink_probabilities(scores(q, k, scale, mask, options), sinks)[0], v)
     if not options.plain:
         return mix(probabilities(scores(q, k, scale, mask, options)).astype(v.dtype), v)
     bias = None if options.alibi is None else alibi_bias(options.alibi, mask, q.dtype)
     if platform() == "cpu":
-        return grouped(q, k, v, scale, mask, bias)
+        return grouped(q, k, v, scale, mask, bias, past)
     t = lambda x: jnp.swapaxes(x, 1, 2)
     return jax.nn.dot_product_attention(t(q), t(k), t(v), bias=bias, mask=mask, scale=scale)
 
@@ -250,6 +258,7 @@ def fused(
 def grouped(
     q: Float[Array, "batch heads q dim"], k: Float[Array, "batch kv_heads k dim"], v: Float[Array, "batch kv_heads k dim"],
     scale: float, mask: Bool[Array, "batch 1 q k"] | None, bias: Float[Array, "batch heads q k"] | None = None,
+    past: tuple[Float[Array, "batch kv_heads cached dim"], Float[Array, "batch kv_heads cached dim"]] | None = None,
 ) -> Float[Array, "batch q heads dim"]:
     """``jax.nn.dot_product_attention``'s XLA computation (float32 logits from the inputs' dtype, scaled, plus
     ``bias``, masked entries set to ``-0.7 · max``, softmax in float32, probabilities cast to the keys' dtype, times
@@ -257,21 +266,34 @@ def grouped(
     (``q`` as it comes, head-major: a free reshape), so both products are plain batched matrix products over
     ``[batch, kv_heads]`` in the arrays' own layout, and the softmax runs over contiguous rows; only the output is
     transposed to ``[batch, q, heads, dim]``. (JAX's own runs the products once per query head of a group and
-    transposes the queries, the probabilities and the output around them.)"""
+    transposes the queries, the probabilities and the output around them.)
+
+    ``past``: cached ``(keys, values)`` before ``k`` and ``v`` on the key axis (``mask`` and ``bias`` span both),
+    each multiplied where it lies: the logits of both joined (one softmax over every key), the values' products
+    summed in float32 and cast once, so no copy of the cache next to the new keys is made."""
     b, h, t, d = q.shape
-    kv, s = k.shape[1], k.shape[2]
+    kv = k.shape[1]
     g = h // kv
     dtype = jnp.promote_types(q.dtype, jnp.float32)
     precision = {jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
                  jnp.dtype(jnp.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32}.get(jnp.dtype(q.dtype))
-    logits = jnp.einsum("bkqd,bksd->bkqs", q.reshape(b, kv, g * t, d), k, precision=precision,
-                        preferred_element_type=dtype).reshape(b, kv, g, t, s)
+    keys, values = ((k,), (v,)) if past is None else ((past[0].astype(k.dtype), k), (past[1].astype(v.dtype), v))
+    rows = q.reshape(b, kv, g * t, d)
+    logits = [jnp.einsum("bkqd,bksd->bkqs", rows, x, precision=precision, preferred_element_type=dtype)
+              for x in keys]
+    logits = (logits[0] if past is None else jnp.concatenate(logits, axis=-1)).reshape(b, kv, g, t, -1)
+    s = logits.shape[-1]
     logits = logits * jnp.asarray(scale, dtype)
     if bias is not None:
         logits = (logits + bias.reshape(-1, kv, g, t, s)).astype(dtype)
     if mask is not None:
         negative = -0.7 * min(float(jnp.finfo(dtype).max), float(jnp.finfo(jnp.float32).max))
         logits = jnp.where(mask[:, :, None], logits, jnp.asarray(negative, dtype))
-    p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(k.dtype)
-    out = jnp.einsum("bkqs,bksd->bkqd", p.reshape(b, kv, g * t, s), v)
+    p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(k.dtype).reshape(b, kv, g * t, s)
+    if past is None:
+        out = jnp.einsum("bkqs,bksd->bkqd", p, v)
+    else:
+        cached = past[0].shape[2]
+        out = sum(jnp.einsum("bkqs,bksd->bkqd", part, x, preferred_element_type=jnp.float32)
+                  for part, x in zip((p[..., :cached], p[..., cached:]), values)).astype(v.dtype)
     return jnp.swapaxes(out.reshape(b, h, t, v.shape[-1]), 1, 2)

@@ -183,19 +183,20 @@ class Attention(eqx.Module):
         q = s("self_attn.attention_queries", q)
         k = s("self_attn.attention_keys", k)
         v = s("self_attn.attention_values", v)
-        if past is not None:
-            k, v = (jnp.concatenate([cached.astype(own.dtype), own], axis=2) for cached, own in zip(past, (k, v)))
         interior = ("self_attn.attention_scores", "self_attn.attention_probabilities")
         if self.sinks is not None:
             s("self_attn.attention_sinks", self.sinks)
             interior += ("self_attn.sink_probability",)
-        if self.frozen_pattern or s.touches(*interior):
+        explicit = self.frozen_pattern or s.touches(*interior)
+        if past is not None and explicit:  # the scores span the cached keys then the tokens' own
+            k, v = (jnp.concatenate([cached.astype(own.dtype), own], axis=2) for cached, own in zip(past, (k, v)))
+        if explicit:
             scores = s("self_attn.attention_scores", attn_kernels.scores(q, k, self.scale, mask, self.score_options))
             probs = attn_kernels.probabilities(scores) if self.sinks is None else self.sunk(scores, s)
             probs = s("self_attn.attention_probabilities", probs.astype(v.dtype))
             heads = attn_kernels.mix(jax.lax.stop_gradient(probs) if self.frozen_pattern else probs, v)
         else:
-            heads = attn_kernels.fused(q, k, v, self.scale, mask, self.score_options, self.sinks)
+            heads = attn_kernels.fused(q, k, v, self.scale, mask, self.score_options, self.sinks, past)
         heads = s("self_attn.attention_head_outputs", heads)
         heads = s("self_attn.attention_premix", self.gated(heads, x))
         return add_bias(flat_product(heads, self.o, 2), self.o_bias)

@@ -257,7 +257,11 @@ class _Pass:
         past = self.pasts.get(host)
         if past is not None:  # stacked over the blocks with the host
             row = self.index_in(frozenset(g for g, slot in enumerate(stack.slots) if slot.has(host)), j, q, k)
-            past = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, keepdims=False), past)
+            # an int row (unrolled blocks) slices statically: XLA folds a static slice of a stack of per-block
+            # arrays into that block's array (a generation's cache), where a dynamic one may stay a copy
+            index = (lambda a: a[row]) if isinstance(row, int) else (
+                lambda a: jax.lax.dynamic_index_in_dim(a, row, keepdims=False))
+            past = jax.tree.map(index, past)
 
         def step(h):
             s = BlockScope(self.tap, self.prefix, layer, self.group_of, lambda group: self.index_in(group, j, q, k))
