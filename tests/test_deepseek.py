@@ -21,6 +21,7 @@ import test_conformance as conformance
 import test_conformance_edits as edits
 import test_convert as convert
 import test_generate as generate
+from decoding_hlo import decoding_loop
 import test_moe
 from test_gpt_oss import assert_aot_preset_is_published
 from conftest import assert_close
@@ -229,7 +230,7 @@ def test_the_decoding_loop_copies_no_part_of_kv_b(zoo):
     H, L, n, v = attn.o.shape[-3], attn.kv_lora_rank, attn.nope, attn.v_head_dim
     parts = {f"{H},{n},{L}", f"{H},{L},{v}", f"{L},{H},{n}", f"{L},{H},{v}", f"{H},{L},{n}", f"{H},{v},{L}"}
     tokens, mask = generate.left_padded(model)
-    loop = generate._decoding_loop(generate.compiled_generate(model, tokens, mask).as_text(),
+    loop = decoding_loop(generate.compiled_generate(model, tokens, mask).as_text(),
                                    f"f32[{generate.NEW},{tokens.shape[0]},{model.config.vocab_size}]")
     made = [line.strip()[:160] for line in loop
             if (m := re.match(r"\s+%\S+ = \w+\[([\d,]*)\]\S* ([\w-]+)\(", line))
