@@ -30,9 +30,11 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.circuits.inputs import merged_edits
+from jstd.circuits.sharding import axis_size, laid_out
 from jstd.circuits.transcoders import Transcoders
 from jstd.core.edits import Add, Edit
 from jstd.core.sites import SITES
+from jstd.nn.params import DATA, MODEL
 from jstd.nn.frozen import frozen
 from jstd.run import run
 from jstd.sae.splice import Source, source_value
@@ -146,34 +148,49 @@ def target_gradients(model, tokens, tc: Transcoders, layers, positions, vectors,
     return gradients(model, tokens, tc, layers, positions, vectors, depth, outputs)
 
 
-@functools.partial(jax.jit, static_argnames="reach")
-def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, columns, reach: int | None = None):
+@functools.partial(jax.jit, static_argnames=("reach", "mesh"))
+def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, positions, slots, reach: int | None = None,
+                   mesh=None):
     """The rows of a batch of targets against every source, from their gradients (``target_gradients``: ``g_y [B,
     D, P, d]``, ``g_e [B, P, d]``, of the first ``D`` blocks and ``P`` positions): ``[B, A + L·n + n]`` = feature
     columns ``[B, A]``, errors ``[B, L·n]`` (block-major), tokens ``[B, n]`` (zeros past ``D`` and ``P``).
 
     sources: per block ``lo``, ``[n, K_lo, d]`` the (activation-scaled) vectors the features write there, padded
-    with zeros; columns ``[A, L]`` int: feature ``f``'s slot at block ``lo`` in the blocks' flattened ``[n, K_lo]``
-    concatenated (``Σ n·K_lo`` for "none": a zero column), summed over blocks (a cross-layer feature writes at
-    several). errors ``[L, n, d]``, token_vectors ``[n, d]``. On the device, so no gradient reaches the host.
+    with zeros; feature ``f`` sits at position ``positions[f]`` (``[A]`` int) and, at block ``lo``, in slot
+    ``slots[f, lo]`` (``[A, L]`` int, -1: it writes nothing there); its column is the sum over blocks of its
+    slots' products (a cross-layer feature writes at several), gathered block by block: no ``[B, A, L]``.
+    errors ``[L, n, d]``, token_vectors ``[n, d]``. On the device, so no gradient reaches the host.
     reach (static; None: D): only blocks before it are contracted (a batch of feature targets of blocks at most
     ``reach``: a target of block ``l`` reads nothing from block ``l``'s MLP output or later ones).
+    mesh (static; None: one device): the products are taken where ``sharding.Sources`` places the sources
+    (positions over ``data``, slots over ``model``: the batch's gradients move there), then each block's
+    ``[B, n, K_lo]`` products move to the rows' shards (rows over ``data``, slots still over ``model``); each
+    ``model`` shard gathers and sums over blocks the slots it holds (``[B, A, M]``, ``M`` the ``model`` axis'
+    size, one column a shard) and one sum over ``M`` at the end joins them: the rows come out split over
+    ``data`` and the only collective of a whole ``[B / data, A]`` is that one.
     """
     B, D, P, _ = g_y.shape
     D = D if reach is None else min(D, reach)
     L, n, _ = errors.shape
     prec = jax.lax.Precision.HIGHEST
-    parts = []
-    for lo, U in enumerate(sources):
-        if lo < D:
-            c = jnp.einsum("bpd,pkd->bpk", g_y[:, lo], U[:P], precision=prec)
-            c = jnp.pad(c, ((0, 0), (0, n - P), (0, 0)))
-        else:
-            c = jnp.zeros((B, n, U.shape[1]), g_y.dtype)
-        parts.append(c.reshape(B, -1))
-    parts.append(jnp.zeros((B, 1), g_y.dtype))
-    features = jnp.concatenate(parts, 1)[:, columns].sum(-1)
-    errs = jnp.einsum("blpd,lpd->blp", g_y[:, :D], errors[:D, :P], precision=prec)
-    errs = jnp.pad(errs, ((0, 0), (0, L - D), (0, n - P))).reshape(B, L * n)
-    toks = jnp.pad(jnp.einsum("bpd,pd->bp", g_e, token_vectors[:P], precision=prec), ((0, 0), (0, n - P)))
-    return jnp.concatenate([features, errs, toks], 1)
+    at_sources = lambda x, *axes: laid_out(mesh, x, None, *axes)  # the batch whole, beside the sources
+    as_rows = lambda x, *axes: laid_out(mesh, x, DATA, *axes)  # the batch over data
+    M = axis_size(mesh, MODEL)
+    read = positions < P  # a causal batch of P positions: nothing at a later one reaches it
+    features = as_rows(jnp.zeros((B, M, positions.shape[0]), g_y.dtype), MODEL)
+    for lo in range(D):
+        c = at_sources(jnp.einsum("bpd,pkd->bpk", g_y[:, lo], sources[lo][:P], precision=prec), DATA, MODEL)
+        K = c.shape[2]
+        m = M if K % M == 0 else 1  # the slots as [m, K / m], the model shards' (as sharding.fitted splits them)
+        c = as_rows(c.reshape(B, P, m, K // m).transpose(0, 2, 1, 3), MODEL if m > 1 else None)  # [B, m, P, K/m]
+        slot = slots[:, lo]
+        hit = read & (slot >= 0)
+        part = c[:, :, jnp.where(hit, positions, 0), jnp.maximum(slot, 0) % (K // m)]  # [B, m, A]
+        part = jnp.where(hit & (jnp.arange(m)[:, None] == slot // (K // m)), part, 0)  # from the shard holding it
+        features = features + jnp.pad(part, ((0, 0), (0, M - m), (0, 0)))
+    features = as_rows(features.sum(1))
+    errs = at_sources(jnp.einsum("blpd,lpd->blp", g_y[:, :D], errors[:D, :P], precision=prec), None, DATA)
+    errs = jnp.pad(as_rows(errs), ((0, 0), (0, L - D), (0, n - P))).reshape(B, L * n)
+    toks = at_sources(jnp.einsum("bpd,pd->bp", g_e, token_vectors[:P], precision=prec), DATA)
+    toks = jnp.pad(as_rows(toks), ((0, 0), (0, n - P)))
+    return as_rows(jnp.concatenate([features, errs, toks], 1))
