@@ -144,9 +144,9 @@ def _slots(k: int) -> int:
 class _Sources:
     """The prompt's sources laid out per block and position for ``source_columns``: block ``lo`` holds ``[n, K_lo,
     d]``, the activation-scaled vectors of the features writing there (slot = rank among those at the same
-    position, in active order); ``positions [A]`` each feature's position and ``slots [A, L]`` its slot per block
-    (-1: none). ``min_slots``: per-block lower bounds (prompts of one call share shapes); ``A`` is ``n_active``
-    rounded up to a multiple of 256 (the extra columns write nowhere: zero)."""
+    position, in active order), and ``columns [L, A]`` each feature's flat slot in block ``lo``'s ``[n, K_lo]``
+    (``position · K_lo + slot``; -1: none). ``min_slots``: per-block lower bounds (prompts of one call share
+    shapes); ``A`` is ``n_active`` rounded up to a multiple of 256 (the extra columns write nowhere: zero)."""
 
     def __init__(self, tc: Transcoders, acts: np.ndarray, min_slots: tuple[int, ...] | None = None,
                  min_width: int = 0):
@@ -169,15 +169,13 @@ class _Sources:
         self.K = tuple(K)
         self.U = []
         A = max(-(-max(len(layer), 1) // 256) * 256, min_width)
-        self.positions = np.zeros(A, np.int32)
-        self.positions[:len(pos)] = pos
-        self.slots = np.full((A, L), -1, np.int32)
+        self.columns = np.full((L, A), -1, np.int32)
         for lo in range(L):
             at = np.nonzero(writes[:, lo])[0]
             U = np.zeros((n, K[lo], tc.d_out), np.float32)
             U[pos[at], slot[at, lo]] = vectors[at, lo]
             self.U.append(U)
-            self.slots[at, lo] = slot[at, lo]
+            self.columns[lo, at] = pos[at] * K[lo] + slot[at, lo]
 
 
 @functools.partial(jax.jit, static_argnames="e")
@@ -319,7 +317,7 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
     acts, errors = np.asarray(jnp.where(real, acts, 0)), jnp.where(real, errors, 0)
     sources = [_Sources(tc, acts[:, g]) for g in range(len(ids))]
     slots = tuple(max(s.K[lo] for s in sources) for lo in range(tc.num_layers))
-    width = max(len(s.positions) for s in sources)
+    width = max(s.columns.shape[1] for s in sources)
     if len(ids) > 1:  # one set of shapes for every prompt, so every compiled program is shared
         sources = [_Sources(tc, acts[:, g], slots, width) for g in range(len(ids))]
     if edges_per_row is not None and edges_per_row < 1:
@@ -350,9 +348,9 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
     k = len(t_ids)
     enc = lambda layer, feature: np.asarray(tc.W_enc[layer, feature], np.float32)  # the rows alone to the host
     placed = place_sources(mesh, Sources(tuple(jnp.asarray(u) for u in src.U), errors, token_vectors))
-    positions, slots = jnp.asarray(src.positions), jnp.asarray(src.slots)
+    columns = jnp.asarray(src.columns)
     # the prompt's own columns among source_columns' [A | L·N | N]
-    A = len(src.positions)
+    A = src.columns.shape[1]
     keep_columns = np.concatenate([np.arange(n_active), A + (np.arange(L)[:, None] * N + np.arange(n)).reshape(-1),
                                    A + L * N + np.arange(n)])
 
@@ -391,8 +389,7 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
             # a feature target of block l reads nothing from block l's MLP output or later ones
             reach = int(layers[s:s + m].max())
             reach = reach if reach < L else None
-            c = source_columns(g_y, g_e, placed.vectors, placed.errors, placed.tokens, positions, slots, reach=reach,
-                               mesh=mesh)
+            c = source_columns(g_y, g_e, placed.vectors, placed.errors, placed.tokens, columns, reach=reach, mesh=mesh)
             out.append((m, c if edges_per_row is None else top_edges(c, min(edges_per_row, c.shape[1]))))
         back = np.argsort(order)
         if edges_per_row is None:

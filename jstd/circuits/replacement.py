@@ -149,25 +149,25 @@ def target_gradients(model, tokens, tc: Transcoders, layers, positions, vectors,
 
 
 @functools.partial(jax.jit, static_argnames=("reach", "mesh"))
-def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, positions, slots, reach: int | None = None,
-                   mesh=None):
+def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, columns, reach: int | None = None, mesh=None):
     """The rows of a batch of targets against every source, from their gradients (``target_gradients``: ``g_y [B,
     D, P, d]``, ``g_e [B, P, d]``, of the first ``D`` blocks and ``P`` positions): ``[B, A + L·n + n]`` = feature
     columns ``[B, A]``, errors ``[B, L·n]`` (block-major), tokens ``[B, n]`` (zeros past ``D`` and ``P``).
 
     sources: per block ``lo``, ``[n, K_lo, d]`` the (activation-scaled) vectors the features write there, padded
-    with zeros; feature ``f`` sits at position ``positions[f]`` (``[A]`` int) and, at block ``lo``, in slot
-    ``slots[f, lo]`` (``[A, L]`` int, -1: it writes nothing there); its column is the sum over blocks of its
-    slots' products (a cross-layer feature writes at several), gathered block by block: no ``[B, A, L]``.
-    errors ``[L, n, d]``, token_vectors ``[n, d]``. On the device, so no gradient reaches the host.
-    reach (static; None: D): only blocks before it are contracted (a batch of feature targets of blocks at most
-    ``reach``: a target of block ``l`` reads nothing from block ``l``'s MLP output or later ones).
+    with zeros; columns ``[L, A]`` int: feature ``f``'s slot at block ``lo`` in that block's flattened ``[n,
+    K_lo]`` (``position · K_lo + slot``; -1: it writes nothing there). A feature's column is the sum over blocks
+    of its slots' products (a cross-layer feature writes at several), gathered block by block and summed as it
+    goes: no ``[B, A, L]``. errors ``[L, n, d]``, token_vectors ``[n, d]``. On the device, so no gradient reaches
+    the host. reach (static; None: D): only blocks before it are contracted (a batch of feature targets of blocks
+    at most ``reach``: a target of block ``l`` reads nothing from block ``l``'s MLP output or later ones).
+
     mesh (static; None: one device): the products are taken where ``sharding.Sources`` places the sources
-    (positions over ``data``, slots over ``model``: the batch's gradients move there), then each block's
-    ``[B, n, K_lo]`` products move to the rows' shards (rows over ``data``, slots still over ``model``); each
-    ``model`` shard gathers and sums over blocks the slots it holds (``[B, A, M]``, ``M`` the ``model`` axis'
-    size, one column a shard) and one sum over ``M`` at the end joins them: the rows come out split over
-    ``data`` and the only collective of a whole ``[B / data, A]`` is that one.
+    (positions over ``data``, slots over ``model``: the batch's gradients move there), then each block's ``[B,
+    P, K_lo]`` products move to the rows' shards (rows over ``data``, slots still over ``model``); each ``model``
+    shard gathers and sums over blocks the slots it holds (``[B, M, A]``, ``M`` the ``model`` axis' size, one
+    row a shard) and one sum over ``M`` at the end joins them: the rows come out split over ``data``, and the
+    only collective of a whole ``[B / data, A]`` is that one all-reduce over ``model``.
     """
     B, D, P, _ = g_y.shape
     D = D if reach is None else min(D, reach)
@@ -176,21 +176,35 @@ def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, positions, s
     at_sources = lambda x, *axes: laid_out(mesh, x, None, *axes)  # the batch whole, beside the sources
     as_rows = lambda x, *axes: laid_out(mesh, x, DATA, *axes)  # the batch over data
     M = axis_size(mesh, MODEL)
-    read = positions < P  # a causal batch of P positions: nothing at a later one reaches it
-    features = as_rows(jnp.zeros((B, M, positions.shape[0]), g_y.dtype), MODEL)
+    features = as_rows(jnp.zeros((B, M, columns.shape[1]), g_y.dtype), MODEL)
+    errs = []
     for lo in range(D):
-        c = at_sources(jnp.einsum("bpd,pkd->bpk", g_y[:, lo], sources[lo][:P], precision=prec), DATA, MODEL)
+        g = at_sources(g_y[:, lo], DATA)  # [B, P, d]: the batch's gradients moved to the positions' shards, once
+        errs.append(jnp.einsum("bpd,pd->bp", g, errors[lo, :P], precision=prec))
+        c = at_sources(jnp.einsum("bpd,pkd->bpk", g, sources[lo][:P], precision=prec), DATA, MODEL)
         K = c.shape[2]
         m = M if K % M == 0 else 1  # the slots as [m, K / m], the model shards' (as sharding.fitted splits them)
-        c = as_rows(c.reshape(B, P, m, K // m).transpose(0, 2, 1, 3), MODEL if m > 1 else None)  # [B, m, P, K/m]
-        slot = slots[:, lo]
-        hit = read & (slot >= 0)
-        part = c[:, :, jnp.where(hit, positions, 0), jnp.maximum(slot, 0) % (K // m)]  # [B, m, A]
-        part = jnp.where(hit & (jnp.arange(m)[:, None] == slot // (K // m)), part, 0)  # from the shard holding it
+        k = K // m
+        c = as_rows(c.reshape(B, P, m, k).transpose(0, 2, 1, 3), MODEL if m > 1 else None).reshape(B, m, P * k)
+        f = columns[lo]  # [A]
+        hit = (f >= 0) & (f < P * K)  # a causal batch of P positions: nothing at a later one reaches it
+        part = _take_each(c, jnp.where(hit, f // K * k + f % k, 0))  # [B, m, A]
+        part = jnp.where(hit & (jnp.arange(m)[:, None] == f % K // k), part, 0)  # from the shard holding it
         features = features + jnp.pad(part, ((0, 0), (0, M - m), (0, 0)))
     features = as_rows(features.sum(1))
-    errs = at_sources(jnp.einsum("blpd,lpd->blp", g_y[:, :D], errors[:D, :P], precision=prec), None, DATA)
-    errs = jnp.pad(as_rows(errs), ((0, 0), (0, L - D), (0, n - P))).reshape(B, L * n)
+    errs = as_rows(jnp.stack(errs, 1) if errs else jnp.zeros((B, 0, P), g_y.dtype))
+    errs = jnp.pad(errs, ((0, 0), (0, L - D), (0, n - P))).reshape(B, L * n)
     toks = at_sources(jnp.einsum("bpd,pd->bp", g_e, token_vectors[:P], precision=prec), DATA)
     toks = jnp.pad(as_rows(toks), ((0, 0), (0, n - P)))
     return as_rows(jnp.concatenate([features, errs, toks], 1))
+
+
+def _take_each(x: Float[Array, "b m k"], index: Int[Array, " a"]) -> Float[Array, "b m a"]:
+    """``x[:, :, index]`` (``index`` in bounds) as a gather whose rows are batch dimensions: each element its own
+    index, so the result lies ``a``-minor (``jnp.take``'s ``[a, b]`` slices lie ``b``-minor, a TPU tile padding a
+    few rows to 128) and no index array holds the rows' coordinates (``take_along_axis``')."""
+    b, m, _ = x.shape
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(2,), start_index_map=(2,),
+                                          operand_batching_dims=(0, 1), start_indices_batching_dims=(0, 1))
+    at = jnp.broadcast_to(index[None, None, :, None], (b, m, index.shape[0], 1))
+    return jax.lax.gather(x, at, dims, (1, 1, 1), mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
