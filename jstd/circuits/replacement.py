@@ -177,9 +177,12 @@ def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, columns, rea
     as_rows = lambda x, *axes: laid_out(mesh, x, DATA, *axes)  # the batch over data
     M = axis_size(mesh, MODEL)
     features = as_rows(jnp.zeros((B, M, columns.shape[1]), g_y.dtype), MODEL)
-    errs = []
+    errs, done = [], [features]
     for lo in range(D):
-        g = at_sources(g_y[:, lo], DATA)  # [B, P, d]: the batch's gradients moved to the positions' shards, once
+        # block lo's gradients are read (moved, relaid for the product: a copy of [B / data, P, d]) once block
+        # lo - 2 is summed, not every block's at once: an index XLA cannot see through
+        at, _ = jax.lax.optimization_barrier((jnp.int32(lo), done[max(lo - 1, 0)]))
+        g = at_sources(jax.lax.dynamic_index_in_dim(g_y, at, 1, keepdims=False), DATA)  # [B, P, d], moved once
         errs.append(jnp.einsum("bpd,pd->bp", g, errors[lo, :P], precision=prec))
         c = at_sources(jnp.einsum("bpd,pkd->bpk", g, sources[lo][:P], precision=prec), DATA, MODEL)
         K = c.shape[2]
@@ -191,6 +194,7 @@ def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, columns, rea
         part = _take_each(c, jnp.where(hit, f // K * k + f % k, 0))  # [B, m, A]
         part = jnp.where(hit & (jnp.arange(m)[:, None] == f % K // k), part, 0)  # from the shard holding it
         features = features + jnp.pad(part, ((0, 0), (0, M - m), (0, 0)))
+        done.append(features)
     features = as_rows(features.sum(1))
     errs = as_rows(jnp.stack(errs, 1) if errs else jnp.zeros((B, 0, P), g_y.dtype))
     errs = jnp.pad(errs, ((0, 0), (0, L - D), (0, n - P))).reshape(B, L * n)
