@@ -16,11 +16,14 @@
   layout, with their positions over ``data`` and their slots over ``model`` (``place_sources``; an axis the mesh's
   axis does not divide stays whole), each vector whole: the product of a batch's gradients ``[B, L, n, d]`` with
   them then needs the gradients moved to the positions' shards (an all-to-all of the batch's gradients) and no
-  sum across chips, and its rows ``[B, L, n, K]`` stay split by position and slot. (Split by width instead, as
+  sum across chips, and its products ``[B, n, K_l]`` stay split by position and slot. (Split by width instead, as
   the transcoders are under FSDP, the product is a partial sum on every chip and each batch all-reduces its whole
   rows: 1 GiB a chip for Llama-3.1-8B at 64 tokens, docs/scale.md.)
-- Each batch's rows reach the host once (one transfer a batch, no collective); the graph is assembled on the
-  host as on one device.
+- Each block's products then move to the rows' shards (an all-to-all: rows over ``data``, slots still over
+  ``model``) and each chip gathers its features' columns from the slots it holds, summed over blocks as it goes;
+  one all-reduce over ``model`` of ``[B / data, features]`` joins them (``replacement.source_columns``). A
+  batch's rows ``[B, sources]`` come out split over ``data`` and reach the host once (one transfer a batch); the
+  graph is assembled on the host as on one device.
 
 Sharding changes where values live, never what they are: the graph equals the single-device graph to float32
 rounding of reordered sums (tests/test_circuits_mesh.py: 8 simulated devices under FSDP, TP and FSDP_TP).
