@@ -204,9 +204,9 @@ def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, columns, rea
 
 
 def _take_each(x: Float[Array, "b m k"], index: Int[Array, " a"]) -> Float[Array, "b m a"]:
-    """``x[:, :, index]`` (``index`` in bounds) as a gather whose rows are batch dimensions: each element its own
-    index, so the result lies ``a``-minor (``jnp.take``'s ``[a, b]`` slices lie ``b``-minor, a TPU tile padding a
-    few rows to 128) and no index array holds the rows' coordinates (``take_along_axis``')."""
+    """``x[:, :, index]`` (``index`` in bounds) as a gather whose rows are batch dimensions, one element an index:
+    the result lies ``a``-minor. (``jnp.take`` gathers ``[a, b · m]`` slices, which XLA:TPU lays out ``b``-minor,
+    a tile padding a few rows to 128: 64 MiB a block for Llama-3.1-8B's CLT, docs/scale.md.)"""
     b, m, _ = x.shape
     dims = jax.lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(2,), start_index_map=(2,),
                                           operand_batching_dims=(0, 1), start_indices_batching_dims=(0, 1))
