@@ -28,7 +28,8 @@ also gets one image per row, the images split as the rows are.
   ``l`` and one position, default ``active · (l + 1)`` rounded up to a power of two, ``active`` features per block
   and position, as a CLT's decoders from every block up to ``l`` write there; or ``slots`` for every block), the
   errors and the token embeddings (``circuits.sharding.Sources``, float32, positions over ``data`` and slots over
-  ``model``), and each feature's columns (``active · L · seq`` features, replicated).
+  ``model``), and each feature's slot per block (``[L, active · L · seq]``, replicated); the rows come out split
+  over ``data``.
 """
 
 from __future__ import annotations
@@ -149,12 +150,12 @@ def _attribute(model, mesh, rules, batch: int, seq: int, features: int, active: 
     replicated = NamedSharding(mesh, PartitionSpec())
     tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=replicated)
     outputs = jax.ShapeDtypeStruct((L, 1, seq, d), dtype, sharding=replicated)
-    columns = jax.ShapeDtypeStruct((A, L), jnp.int32, sharding=replicated)
+    columns = jax.ShapeDtypeStruct((L, A), jnp.int32, sharding=replicated)
     split = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=targets_sharding(mesh, len(shape)))
 
     def fn(model, tc, tokens, layers, positions, vectors, outputs, sources, columns):
         g_y, g_e = target_gradients(model, tokens, tc, layers, positions, vectors, outputs)
-        return source_columns(g_y, g_e, sources.vectors, sources.errors, sources.tokens, columns)
+        return source_columns(g_y, g_e, sources.vectors, sources.errors, sources.tokens, columns, mesh=mesh)
 
     return fn, (model, tc, tokens, split((B,), jnp.int32), split((B,), jnp.int32), split((B, d), jnp.float32),
                 outputs, sources, columns)

@@ -144,9 +144,9 @@ def _slots(k: int) -> int:
 class _Sources:
     """The prompt's sources laid out per block and position for ``source_columns``: block ``lo`` holds ``[n, K_lo,
     d]``, the activation-scaled vectors of the features writing there (slot = rank among those at the same
-    position, in active order), and ``columns [A, L]`` each feature's flat slot per block (``Σ n·K_lo``: none).
-    ``min_slots``: per-block lower bounds (prompts of one call share shapes); ``A`` is ``n_active`` rounded up to a
-    multiple of 256 (the extra columns are zero)."""
+    position, in active order), and ``columns [L, A]`` each feature's flat slot in block ``lo``'s ``[n, K_lo]``
+    (``position · K_lo + slot``; -1: none). ``min_slots``: per-block lower bounds (prompts of one call share
+    shapes); ``A`` is ``n_active`` rounded up to a multiple of 256 (the extra columns write nowhere: zero)."""
 
     def __init__(self, tc: Transcoders, acts: np.ndarray, min_slots: tuple[int, ...] | None = None,
                  min_width: int = 0):
@@ -167,17 +167,15 @@ class _Sources:
         if min_slots is not None:
             K = [max(a, b) for a, b in zip(K, min_slots)]
         self.K = tuple(K)
-        offsets = np.concatenate([[0], np.cumsum([n * k for k in K])])
         self.U = []
         A = max(-(-max(len(layer), 1) // 256) * 256, min_width)
-        columns = np.full((A, L), offsets[-1], np.int64)
+        self.columns = np.full((L, A), -1, np.int32)
         for lo in range(L):
             at = np.nonzero(writes[:, lo])[0]
             U = np.zeros((n, K[lo], tc.d_out), np.float32)
             U[pos[at], slot[at, lo]] = vectors[at, lo]
             self.U.append(U)
-            columns[at, lo] = offsets[lo] + pos[at] * K[lo] + slot[at, lo]
-        self.columns = columns
+            self.columns[lo, at] = pos[at] * K[lo] + slot[at, lo]
 
 
 @functools.partial(jax.jit, static_argnames="e")
@@ -319,7 +317,7 @@ def attribute(model, inputs, transcoders: Transcoders, *, targets=None, max_n_lo
     acts, errors = np.asarray(jnp.where(real, acts, 0)), jnp.where(real, errors, 0)
     sources = [_Sources(tc, acts[:, g]) for g in range(len(ids))]
     slots = tuple(max(s.K[lo] for s in sources) for lo in range(tc.num_layers))
-    width = max(s.columns.shape[0] for s in sources)
+    width = max(s.columns.shape[1] for s in sources)
     if len(ids) > 1:  # one set of shapes for every prompt, so every compiled program is shared
         sources = [_Sources(tc, acts[:, g], slots, width) for g in range(len(ids))]
     if edges_per_row is not None and edges_per_row < 1:
@@ -352,7 +350,7 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
     placed = place_sources(mesh, Sources(tuple(jnp.asarray(u) for u in src.U), errors, token_vectors))
     columns = jnp.asarray(src.columns)
     # the prompt's own columns among source_columns' [A | L·N | N]
-    A = src.columns.shape[0]
+    A = src.columns.shape[1]
     keep_columns = np.concatenate([np.arange(n_active), A + (np.arange(L)[:, None] * N + np.arange(n)).reshape(-1),
                                    A + L * N + np.arange(n)])
 
@@ -390,14 +388,14 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
             # a feature target of block l reads nothing from block l's MLP output or later ones
             reach = int(layers[s:s + m].max())
             reach = reach if reach < L else None
-            c = source_columns(g_y, g_e, placed.vectors, placed.errors, placed.tokens, columns, reach=reach)
+            c = source_columns(g_y, g_e, placed.vectors, placed.errors, placed.tokens, columns, reach=reach, mesh=mesh)
             out.append((m, c if edges_per_row is None else top_edges(c, min(edges_per_row, c.shape[1]))))
         back = np.argsort(order)
         if edges_per_row is None:
             if not out:
                 return np.zeros((0, n_sources), np.float32)
             return np.concatenate([np.asarray(c)[:m] for m, c in out])[back][:, keep_columns]
-        e = min(edges_per_row, src.columns.shape[0] + (L + 1) * N)
+        e = min(edges_per_row, A + (L + 1) * N)
         if not out:
             return np.zeros((0, e), np.float32), np.zeros((0, e), np.int64), np.zeros(0, np.float32)
         values, cols, sums = (np.concatenate([np.asarray(c[i])[:m] for m, c in out])[back] for i in range(3))
@@ -408,7 +406,7 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
     keep = n_active if max_feature_nodes is None else max(0, min(int(max_feature_nodes), n_active))
     sparse = edges_per_row is not None
     if sparse:  # source_columns' padded column -> the prompt's column (-1: padding, always 0)
-        prompt_column = np.full(src.columns.shape[0] + (L + 1) * N, -1, np.int64)
+        prompt_column = np.full(A + (L + 1) * N, -1, np.int64)
         prompt_column[keep_columns] = np.arange(n_sources)
         width = min(edges_per_row, len(prompt_column))
         edge = (np.zeros((keep + k, width), np.float32), np.full((keep + k, width), -1, np.int64),

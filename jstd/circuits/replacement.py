@@ -30,9 +30,11 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jstd.circuits.inputs import merged_edits
+from jstd.circuits.sharding import axis_size, laid_out
 from jstd.circuits.transcoders import Transcoders
 from jstd.core.edits import Add, Edit
 from jstd.core.sites import SITES
+from jstd.nn.params import DATA, MODEL
 from jstd.nn.frozen import frozen
 from jstd.run import run
 from jstd.sae.splice import Source, source_value
@@ -146,34 +148,67 @@ def target_gradients(model, tokens, tc: Transcoders, layers, positions, vectors,
     return gradients(model, tokens, tc, layers, positions, vectors, depth, outputs)
 
 
-@functools.partial(jax.jit, static_argnames="reach")
-def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, columns, reach: int | None = None):
+@functools.partial(jax.jit, static_argnames=("reach", "mesh"))
+def source_columns(g_y, g_e, sources: tuple, errors, token_vectors, columns, reach: int | None = None, mesh=None):
     """The rows of a batch of targets against every source, from their gradients (``target_gradients``: ``g_y [B,
     D, P, d]``, ``g_e [B, P, d]``, of the first ``D`` blocks and ``P`` positions): ``[B, A + L·n + n]`` = feature
     columns ``[B, A]``, errors ``[B, L·n]`` (block-major), tokens ``[B, n]`` (zeros past ``D`` and ``P``).
 
     sources: per block ``lo``, ``[n, K_lo, d]`` the (activation-scaled) vectors the features write there, padded
-    with zeros; columns ``[A, L]`` int: feature ``f``'s slot at block ``lo`` in the blocks' flattened ``[n, K_lo]``
-    concatenated (``Σ n·K_lo`` for "none": a zero column), summed over blocks (a cross-layer feature writes at
-    several). errors ``[L, n, d]``, token_vectors ``[n, d]``. On the device, so no gradient reaches the host.
-    reach (static; None: D): only blocks before it are contracted (a batch of feature targets of blocks at most
-    ``reach``: a target of block ``l`` reads nothing from block ``l``'s MLP output or later ones).
+    with zeros; columns ``[L, A]`` int: feature ``f``'s slot at block ``lo`` in that block's flattened ``[n,
+    K_lo]`` (``position · K_lo + slot``; -1: it writes nothing there). A feature's column is the sum over blocks
+    of its slots' products (a cross-layer feature writes at several), gathered block by block and summed as it
+    goes: no ``[B, A, L]``. errors ``[L, n, d]``, token_vectors ``[n, d]``. On the device, so no gradient reaches
+    the host. reach (static; None: D): only blocks before it are contracted (a batch of feature targets of blocks
+    at most ``reach``: a target of block ``l`` reads nothing from block ``l``'s MLP output or later ones).
+
+    mesh (static; None: one device): the products are taken where ``sharding.Sources`` places the sources
+    (positions over ``data``, slots over ``model``: the batch's gradients move there), then each block's ``[B,
+    P, K_lo]`` products move to the rows' shards (rows over ``data``, slots still over ``model``); each ``model``
+    shard gathers and sums over blocks the slots it holds (``[B, M, A]``, ``M`` the ``model`` axis' size, one
+    row a shard) and one sum over ``M`` at the end joins them: the rows come out split over ``data``, and the
+    only collective of a whole ``[B / data, A]`` is that one all-reduce over ``model``.
     """
     B, D, P, _ = g_y.shape
     D = D if reach is None else min(D, reach)
     L, n, _ = errors.shape
     prec = jax.lax.Precision.HIGHEST
-    parts = []
-    for lo, U in enumerate(sources):
-        if lo < D:
-            c = jnp.einsum("bpd,pkd->bpk", g_y[:, lo], U[:P], precision=prec)
-            c = jnp.pad(c, ((0, 0), (0, n - P), (0, 0)))
-        else:
-            c = jnp.zeros((B, n, U.shape[1]), g_y.dtype)
-        parts.append(c.reshape(B, -1))
-    parts.append(jnp.zeros((B, 1), g_y.dtype))
-    features = jnp.concatenate(parts, 1)[:, columns].sum(-1)
-    errs = jnp.einsum("blpd,lpd->blp", g_y[:, :D], errors[:D, :P], precision=prec)
+    at_sources = lambda x, *axes: laid_out(mesh, x, None, *axes)  # the batch whole, beside the sources
+    as_rows = lambda x, *axes: laid_out(mesh, x, DATA, *axes)  # the batch over data
+    M = axis_size(mesh, MODEL)
+    features = as_rows(jnp.zeros((B, M, columns.shape[1]), g_y.dtype), MODEL)
+    errs, done = [], [features]
+    for lo in range(D):
+        # block lo's gradients are read (moved, relaid for the product: a copy of [B / data, P, d]) once block
+        # lo - 2 is summed, not every block's at once: an index XLA cannot see through
+        at, _ = jax.lax.optimization_barrier((jnp.int32(lo), done[max(lo - 1, 0)]))
+        g = at_sources(jax.lax.dynamic_index_in_dim(g_y, at, 1, keepdims=False), DATA)  # [B, P, d], moved once
+        errs.append(jnp.einsum("bpd,pd->bp", g, errors[lo, :P], precision=prec))
+        c = at_sources(jnp.einsum("bpd,pkd->bpk", g, sources[lo][:P], precision=prec), DATA, MODEL)
+        K = c.shape[2]
+        m = M if K % M == 0 else 1  # the slots as [m, K / m], the model shards' (as sharding.fitted splits them)
+        k = K // m
+        c = as_rows(c.reshape(B, P, m, k).transpose(0, 2, 1, 3), MODEL if m > 1 else None).reshape(B, m, P * k)
+        f = columns[lo]  # [A]
+        hit = (f >= 0) & (f < P * K)  # a causal batch of P positions: nothing at a later one reaches it
+        part = _take_each(c, jnp.where(hit, f // K * k + f % k, 0))  # [B, m, A]
+        part = jnp.where(hit & (jnp.arange(m)[:, None] == f % K // k), part, 0)  # from the shard holding it
+        features = features + jnp.pad(part, ((0, 0), (0, M - m), (0, 0)))
+        done.append(features)
+    features = as_rows(features.sum(1))
+    errs = as_rows(jnp.stack(errs, 1) if errs else jnp.zeros((B, 0, P), g_y.dtype))
     errs = jnp.pad(errs, ((0, 0), (0, L - D), (0, n - P))).reshape(B, L * n)
-    toks = jnp.pad(jnp.einsum("bpd,pd->bp", g_e, token_vectors[:P], precision=prec), ((0, 0), (0, n - P)))
-    return jnp.concatenate([features, errs, toks], 1)
+    toks = at_sources(jnp.einsum("bpd,pd->bp", g_e, token_vectors[:P], precision=prec), DATA)
+    toks = jnp.pad(as_rows(toks), ((0, 0), (0, n - P)))
+    return as_rows(jnp.concatenate([features, errs, toks], 1))
+
+
+def _take_each(x: Float[Array, "b m k"], index: Int[Array, " a"]) -> Float[Array, "b m a"]:
+    """``x[:, :, index]`` (``index`` in bounds) as a gather whose rows are batch dimensions, one element an index:
+    the result lies ``a``-minor. (``jnp.take`` gathers ``[a, b · m]`` slices, which XLA:TPU lays out ``b``-minor,
+    a tile padding a few rows to 128: 64 MiB a block for Llama-3.1-8B's CLT, docs/scale.md.)"""
+    b, m, _ = x.shape
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(2,), start_index_map=(2,),
+                                          operand_batching_dims=(0, 1), start_indices_batching_dims=(0, 1))
+    at = jnp.broadcast_to(index[None, None, :, None], (b, m, index.shape[0], 1))
+    return jax.lax.gather(x, at, dims, (1, 1, 1), mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)

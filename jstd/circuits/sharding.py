@@ -16,11 +16,14 @@
   layout, with their positions over ``data`` and their slots over ``model`` (``place_sources``; an axis the mesh's
   axis does not divide stays whole), each vector whole: the product of a batch's gradients ``[B, L, n, d]`` with
   them then needs the gradients moved to the positions' shards (an all-to-all of the batch's gradients) and no
-  sum across chips, and its rows ``[B, L, n, K]`` stay split by position and slot. (Split by width instead, as
+  sum across chips, and its products ``[B, n, K_l]`` stay split by position and slot. (Split by width instead, as
   the transcoders are under FSDP, the product is a partial sum on every chip and each batch all-reduces its whole
   rows: 1 GiB a chip for Llama-3.1-8B at 64 tokens, docs/scale.md.)
-- Each batch's rows reach the host once (one transfer a batch, no collective); the graph is assembled on the
-  host as on one device.
+- Each block's products then move to the rows' shards (an all-to-all: rows over ``data``, slots still over
+  ``model``) and each chip gathers its features' columns from the slots it holds, summed over blocks as it goes;
+  one all-reduce over ``model`` of ``[B / data, features]`` joins them (``replacement.source_columns``). A
+  batch's rows ``[B, sources]`` come out split over ``data`` and reach the host once (one transfer a batch); the
+  graph is assembled on the host as on one device.
 
 Sharding changes where values live, never what they are: the graph equals the single-device graph to float32
 rounding of reordered sums (tests/test_circuits_mesh.py: 8 simulated devices under FSDP, TP and FSDP_TP).
@@ -65,11 +68,16 @@ def place(model, transcoders, mesh: Mesh, layout: str | Rules = "FSDP"):
     return shard(model, mesh, rules), shard(transcoders, mesh, rules)
 
 
-def data_size(mesh: Mesh | None) -> int:
-    """The size of ``mesh``'s ``data`` axis (1 without a mesh or without that axis)."""
+def axis_size(mesh: Mesh | None, axis: str) -> int:
+    """The size of ``mesh``'s axis ``axis`` (1 without a mesh or without that axis)."""
     if mesh is None:
         return 1
-    return dict(zip(mesh.axis_names, mesh.devices.shape)).get(DATA, 1)
+    return dict(zip(mesh.axis_names, mesh.devices.shape)).get(axis, 1)
+
+
+def data_size(mesh: Mesh | None) -> int:
+    """The size of ``mesh``'s ``data`` axis (1 without a mesh or without that axis)."""
+    return axis_size(mesh, DATA)
 
 
 def batch_for(batch_size: int, mesh: Mesh | None) -> int:
@@ -96,11 +104,24 @@ def sources_shardings(mesh: Mesh, sources: Sources) -> Sources:
     """The ``NamedSharding`` of each of ``sources``' arrays (or shapes) on ``mesh``: positions over ``data``, slots
     over ``model`` (module docstring), each axis whole where the mesh has no such axis or its size does not
     divide the axis'."""
-    have = lambda axis: axis if axis in mesh.axis_names else None
-    specs = Sources(tuple(PartitionSpec(have(DATA), have(MODEL)) for _ in sources.vectors),
-                    PartitionSpec(None, have(DATA)), PartitionSpec(have(DATA)))
-    return jax.tree.map(lambda spec, a: fit(NamedSharding(mesh, spec), tuple(a.shape)), specs, sources,
+    specs = Sources(tuple(PartitionSpec(DATA, MODEL) for _ in sources.vectors), PartitionSpec(None, DATA),
+                    PartitionSpec(DATA))
+    return jax.tree.map(lambda spec, a: fitted(mesh, tuple(a.shape), *spec), specs, sources,
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def fitted(mesh: Mesh, shape: tuple[int, ...], *axes: str | None) -> NamedSharding:
+    """The ``NamedSharding`` of an array of ``shape`` with dimension ``i`` over mesh axis ``axes[i]``: whole where
+    it is None, the mesh has no such axis, or that axis' size does not divide the dimension."""
+    return fit(NamedSharding(mesh, PartitionSpec(*(a if a in mesh.axis_names else None for a in axes))), shape)
+
+
+def laid_out(mesh: Mesh | None, x: Array, *axes: str | None) -> Array:
+    """``x`` constrained (inside a traced program) to lie as ``fitted(mesh, x.shape, *axes)`` says; without a mesh,
+    ``x`` itself."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, fitted(mesh, tuple(x.shape), *axes))
 
 
 def place_sources(mesh: Mesh | None, sources: Sources) -> Sources:
