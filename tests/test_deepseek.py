@@ -95,7 +95,7 @@ def test_keys_are_the_shared_rotary_key_broadcast(zoo):
 def test_generation_caches_the_latent_and_equals_transformers(zoo):
     """The cache holds each block's kv_latent and rope_keys (kv_lora_rank + qk_rope_head_dim numbers a position,
     not heads · (qk_head_dim + v_head_dim)); a generation with a kv_latent edit equals jstd.run on the whole sequence
-    with that edit, step by step; an edit of attention_keys in generate is refused, naming the latent. A Context
+    with that edit, step by step; the budget counts the cache and the head-major copies of kv_b; an edit of attention_keys in generate is refused, naming the latent. A Context
     continues a prefix through the latent too (its 5 tokens over 6 cached positions attend in latent space). The
     generation against transformers' generate: test_decoding_attends_in_latent_space."""
     from jstd.generate.budget import preallocated_bytes
@@ -107,8 +107,10 @@ def test_generation_caches_the_latent_and_equals_transformers(zoo):
     _, cache = jax.eval_shape(lambda m: prefill(m, jstd.Inputs(tokens, mask), (), generate.NEW), model)
     blocks, total = model.config.num_layers, tokens.shape[1] + generate.NEW
     assert cache.keys.shape == (blocks, 2, 1, total, 32) and cache.values.shape == (blocks, 2, 1, total, 8)
+    attn = model.layers.slots[0].attn
+    kv_b = attn.kv_lora_rank * attn.o.shape[-3] * (attn.nope + attn.v_head_dim)  # its head-major copies, a block
     assert preallocated_bytes(model, 2, tokens.shape[1], generate.NEW) == (
-        blocks * (32 + 8) * 2 * total * 4 + 2 * generate.NEW * 2 * 97 * 4 + 2 * total * 4)
+        blocks * (32 + 8) * 2 * total * 4 + 2 * generate.NEW * 2 * 97 * 4 + 2 * total * 4 + blocks * kv_b * 4)
 
     edit = jstd.Scale(A + "kv_latent", 0.25, layer=2, positions=(3, 8))
     gen = jstd.generate(model, tokens, [edit], attention_mask=mask, max_new_tokens=generate.NEW)

@@ -37,7 +37,7 @@ def preallocated_bytes(model, batch: int, prompt: int, new: int) -> int:
     """The bytes a generation of ``new`` tokens after a ``[batch, prompt]`` prompt preallocates: the softmax
     blocks' keys and values over ``prompt + new`` positions, the step logits (kept, then returned), the token
     ids, and on the CPU two float32 copies of every lower-precision (bfloat16, float16) weight a product reads
-    (``float32_copies``)."""
+    (``float32_copies``), and multi-head latent attention's head-major copies of ``kv_b`` (``absorbed_copies``)."""
     c = model.config
     leaves = [x for x in jax.tree.leaves(model.decoder) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
     itemsize = np.dtype(leaves[0].dtype).itemsize if leaves else 4
@@ -51,7 +51,7 @@ def preallocated_bytes(model, batch: int, prompt: int, new: int) -> int:
     per_position = len(model.layers_with("self_attn")) * width
     cache = per_position * batch * total * itemsize
     logits = 2 * new * batch * (c.vocab_size or 0) * max(itemsize, 4)
-    return int(cache + logits + batch * total * 4 + float32_copies(model))
+    return int(cache + logits + batch * total * 4 + float32_copies(model) + absorbed_copies(model))
 
 
 def float32_copies(model) -> int:
@@ -69,6 +69,16 @@ def float32_copies(model) -> int:
         return 0
     low = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4 and x.ndim >= 2
     return int(sum(2 * x.size * 4 for x in arrays if low(x)))
+
+
+def absorbed_copies(model) -> int:
+    """The bytes of the head-major copies of every multi-head latent attention block's ``kv_b`` that a ``generate``
+    call keeps for its decoding steps (``LatentAttention.head_major``: made once a call, outside the loop, as large
+    as ``kv_b`` itself); 0 for a model without such blocks."""
+    from jstd.nn.latent_attention import LatentAttention
+
+    blocks = jax.tree.leaves(model.decoder, is_leaf=lambda x: isinstance(x, LatentAttention))
+    return int(sum(m.kv_b.size * m.kv_b.dtype.itemsize for m in blocks if isinstance(m, LatentAttention)))
 
 
 def free_bytes(model) -> tuple[int, str] | None:
