@@ -41,7 +41,7 @@ def spy_on_targets():
     seen, inner = [], replacement.target_gradients
 
     def spy(model, tokens, tc, layers, positions, vectors, *rest, **kw):
-        seen.append(vectors.sharding)
+        seen.append(getattr(vectors, "sharding", None))  # one device: host arrays (sharding.place_targets)
         return inner(model, tokens, tc, layers, positions, vectors, *rest, **kw)
 
     sys.modules["jstd.circuits.attribute"].target_gradients = spy  # the module (jstd.circuits.attribute: the function)

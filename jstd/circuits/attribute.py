@@ -22,6 +22,7 @@ computes it (Ameisen et al. 2025), from jstd's own forward.
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Sequence
 
@@ -36,6 +37,7 @@ from jstd.circuits.sharding import Sources, batch_for, place, place_sources, pla
 from jstd.circuits.transcoders import Transcoders
 
 ZERO_POSITIONS = 1  # the BOS position carries no feature or error node
+IN_FLIGHT = 3  # batches dispatched ahead of the one being read back
 LENGTHS = 6  # a long prompt's batches run the first P positions, P rounded up to a sixth of the prompt
 
 
@@ -68,12 +70,18 @@ def prompt_tokens(prompt, tokenizer=None, vocab_size: int | None = None) -> np.n
 def demeaned_unembedding(model, ids) -> np.ndarray:
     """``[k, d]``: ``W_U[:, v] - mean_u W_U[:, u]`` for each ``v`` in ``ids``: the gradient of ``logit_v -
     mean(logits)`` (before any final soft-cap) with respect to the final norm's output."""
+    return np.asarray(_demeaned_unembedding(model, jnp.asarray(np.asarray(ids), jnp.int32)), np.float32)
+
+
+@jax.jit
+def _demeaned_unembedding(model, ids):
+    """``demeaned_unembedding`` compiled (one program per target count, not a new trace every call)."""
     _, linear = model.readout()
     d = model.config.hidden_size
     V = jax.eval_shape(linear, jax.ShapeDtypeStruct((d,), jnp.float32)).shape[-1]
     _, pull = jax.vjp(lambda h: linear(h).astype(jnp.float32), jnp.zeros((d,), jnp.float32))
-    onehot = jax.nn.one_hot(jnp.asarray(ids), V, dtype=jnp.float32) - 1.0 / V
-    return np.asarray(jax.vmap(lambda c: pull(c)[0])(onehot), np.float32)
+    onehot = jax.nn.one_hot(ids, V, dtype=jnp.float32) - 1.0 / V
+    return jax.vmap(lambda c: pull(c)[0])(onehot)
 
 
 def logit_targets(model, logits_last, targets, max_n_logits: int, desired_logit_prob: float, tokenizer=None,
@@ -183,6 +191,16 @@ def top_edges(rows, e: int):
     """Each row's ``e`` entries largest in magnitude (largest first) with their columns, and ``Σ |row|``."""
     _, columns = jax.lax.top_k(jnp.abs(rows), e)
     return jnp.take_along_axis(rows, columns, 1), columns, jnp.abs(rows).sum(1)
+
+
+def _runs(index: np.ndarray) -> list[tuple[int, int, int]]:
+    """``index`` (ascending) as runs ``(first source, first destination, length)``: ``dst[:, b:b + w] = src[:, a:a +
+    w]`` for each run is ``dst[:, :len(index)] = src[:, index]`` (slices, no gather)."""
+    if not len(index):
+        return []
+    breaks = np.nonzero(np.diff(index) != 1)[0] + 1
+    starts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(index)]])
+    return [(int(index[a]), int(a), int(b - a)) for a, b in zip(starts, ends)]
 
 
 def _sliced(edge, st: int, total: int):
@@ -362,67 +380,84 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
     cut = by_depth and N >= 16 and cuttable(tokens)
     lengths = sorted({-(-N * i // LENGTHS) for i in range(1, LENGTHS + 1)}) if cut else [N]
     held = outputs[:, :, :max(lengths)]
+    cut_inputs = {}  # P -> (tokens, held outputs) of the first P positions, sliced once
 
-    def rows(layers, positions, vectors):
-        """The rows ``[m, n_active + L·n + n]`` of targets against the prompt's sources, ``batch_size`` at a time:
-        every batch is dispatched before the first is read back (the device runs ahead of the host). With
-        ``edges_per_row``: ``(values [m, e], columns [m, e], Σ|row| [m])``, each row's top edges by magnitude.
+    def rows(layers, positions, vectors, write):
+        """The rows of targets against the prompt's sources, ``batch_size`` at a time, each batch handed to
+        ``write(at, got)`` as it comes back (``at``: the indices of its rows among ``layers``; ``got``: ``[m, A +
+        (L+1)·N]`` in ``source_columns``' padded columns, or with ``edges_per_row`` ``(values [m, e], columns [m,
+        e] as the prompt's, Σ|row| [m])``, each row's top edges by magnitude). A batch is read back ``IN_FLIGHT``
+        batches after it is dispatched: the device runs ahead while the host files the rows it has.
 
         The targets go by block, and within a block by position, ascending in even blocks and descending in odd
         ones, cut every ``batch_size`` rows: only the last batch is padded (with many batches, to a power of two),
         and a batch that straddles two blocks meets them where their positions are alike (both late, or both
         early)."""
-        out = []
         order = np.lexsort((np.where(layers % 2 == 1, -positions, positions), layers))
         layers, positions, vectors = layers[order], positions[order], vectors[order]
+        flight = collections.deque()
+
+        def land():
+            at, m, c = flight.popleft()
+            if edges_per_row is None:
+                write(at, np.asarray(c)[:m])
+            else:
+                values, cols, sums = (np.asarray(part)[:m] for part in c)
+                write(at, (values, prompt_column[cols], sums))
+
         for s in range(0, len(layers), batch_size):
             m = min(batch_size, len(layers) - s)
             depth = min(int(layers[s:s + m].max()) + 1, L) if by_depth else L
             P = next(P for P in lengths if P > int(positions[s:s + m].max()))
+            if P not in cut_inputs:
+                cut_inputs[P] = (tokens if P == N else tokens[:, :P], held[:, :, :P])
             # a short last batch (the logits) of a graph with many batches: padded to a power of two, not batch_size
             size = batch_for(min(batch_size, max(8, 1 << (m - 1).bit_length())), mesh) if by_depth else batch_size
             pad = lambda a: np.concatenate([a[s:s + m], np.zeros((size - m,) + a.shape[1:], a.dtype)])
-            g_y, g_e = target_gradients(model, tokens if P == N else tokens[:, :P], tc, *place_targets(
+            g_y, g_e = target_gradients(model, cut_inputs[P][0], tc, *place_targets(
                 mesh, pad(layers).astype(np.int32), pad(positions).astype(np.int32), pad(vectors)),
-                held[:, :, :P], depth=depth)
+                cut_inputs[P][1], depth=depth)
             # a feature target of block l reads nothing from block l's MLP output or later ones
             reach = int(layers[s:s + m].max())
             reach = reach if reach < L else None
             c = source_columns(g_y, g_e, placed.vectors, placed.errors, placed.tokens, columns, reach=reach, mesh=mesh)
-            out.append((m, c if edges_per_row is None else top_edges(c, min(edges_per_row, c.shape[1]))))
-        back = np.argsort(order)
-        if edges_per_row is None:
-            if not out:
-                return np.zeros((0, n_sources), np.float32)
-            return np.concatenate([np.asarray(c)[:m] for m, c in out])[back][:, keep_columns]
-        e = min(edges_per_row, A + (L + 1) * N)
-        if not out:
-            return np.zeros((0, e), np.float32), np.zeros((0, e), np.int64), np.zeros(0, np.float32)
-        values, cols, sums = (np.concatenate([np.asarray(c[i])[:m] for m, c in out])[back] for i in range(3))
-        return values, prompt_column[cols], sums
+            flight.append((order[s:s + m], m, c if edges_per_row is None else top_edges(c, min(edges_per_row,
+                                                                                            c.shape[1]))))
+            if len(flight) > IN_FLIGHT:
+                land()
+        while flight:
+            land()
 
     n_sources = n_active + (L + 1) * n
     total = n_sources + k
     keep = n_active if max_feature_nodes is None else max(0, min(int(max_feature_nodes), n_active))
     sparse = edges_per_row is not None
+    direct = not sparse and keep == n_active  # every feature a node: rows go straight to the adjacency
     if sparse:  # source_columns' padded column -> the prompt's column (-1: padding, always 0)
         prompt_column = np.full(A + (L + 1) * N, -1, np.int64)
         prompt_column[keep_columns] = np.arange(n_sources)
         width = min(edges_per_row, len(prompt_column))
         edge = (np.zeros((keep + k, width), np.float32), np.full((keep + k, width), -1, np.int64),
                 np.zeros(keep + k, np.float32))
-    else:
-        edge = np.zeros((keep + k, total), np.float32)
+    else:  # the adjacency itself, or the rows in visiting order (logits first)
+        edge = np.zeros((total, total) if direct else (keep + k, total), np.float32)
+    runs = _runs(keep_columns)
 
-    def put(at, got):
-        if sparse:
-            for part, g in zip(edge, got):
-                part[at] = g
-        else:
-            edge[at, :n_sources] = got
+    def into(rows_at: np.ndarray):
+        """``write`` for ``rows``: the batch's rows to ``edge``'s rows ``rows_at[at]``."""
+        def write(at, got):
+            r = rows_at[at]
+            if sparse:
+                for part, g in zip(edge, got):
+                    part[r] = g
+            else:
+                for a, b, w in runs:
+                    edge[r, b:b + w] = got[:, a:a + w]
+        return write
 
     row_nodes = np.zeros(keep + k, np.int64)
-    put(slice(0, k), rows(np.full(k, L), np.full(k, n - 1), t_vecs.astype(np.float32)))
+    rows(np.full(k, L), np.full(k, n - 1), t_vecs.astype(np.float32),
+         into(np.arange(total - k, total) if direct else np.arange(k)))
     row_nodes[:k] = np.arange(k) + n_sources
     visited = np.zeros(n_active, bool)
     st, n_visited = k, 0
@@ -435,8 +470,8 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
                          if sparse else _influences(edge[:st], t_probs, row_nodes[:st]))
             rank = np.argsort(-influence[:n_active], kind="stable")
             pending = rank[~visited[rank]][:min(update_interval * batch_size, keep - n_visited)]
-        got = rows(f_layer[pending], f_pos[pending], enc(f_layer[pending], f_feat[pending]))
-        put(slice(st, st + len(pending)), got)
+        rows(f_layer[pending], f_pos[pending], enc(f_layer[pending], f_feat[pending]),
+             into(pending if direct else st + np.arange(len(pending))))
         row_nodes[st:st + len(pending)] = pending
         visited[pending] = True
         st += len(pending)
@@ -445,10 +480,10 @@ def _attribute(model, tc: Transcoders, ids: np.ndarray, tokens, src: _Sources, e
     order = np.argsort(row_nodes, kind="stable")  # feature rows in active order, then the logits
     if sparse:
         A = _sparse_adjacency(edge, order, selected, n_active, keep, total)
+    elif direct:
+        A = edge
     else:
-        if keep < n_active:
-            edge = edge[:, np.concatenate([selected, np.arange(n_active, total)])]
-        edge = edge[order]
+        edge = edge[:, np.concatenate([selected, np.arange(n_active, total)])][order]
         N = edge.shape[1]
         A = np.zeros((N, N), np.float32)
         A[:keep] = edge[:keep]

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
@@ -94,9 +93,9 @@ def targets_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
 
 def place_targets(mesh: Mesh | None, *arrays):
     """Each of ``arrays`` (a batch of targets, leading axis a multiple of ``data``) split over ``data``; without a
-    mesh, as they are (``jnp`` arrays on the default device)."""
+    mesh, as host arrays (the compiled program's call moves them: no transfer of its own to wait on)."""
     if mesh is None:
-        return tuple(jnp.asarray(a) for a in arrays)
+        return tuple(np.asarray(a) for a in arrays)
     return tuple(jax.device_put(np.asarray(a), targets_sharding(mesh, np.ndim(a))) for a in arrays)
 
 
