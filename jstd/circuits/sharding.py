@@ -71,17 +71,12 @@ def axis_size(mesh: Mesh | None, axis: str) -> int:
     """The size of ``mesh``'s axis ``axis`` (1 without a mesh or without that axis)."""
     if mesh is None:
         return 1
-    return dict(zip(mesh.axis_names, mesh.devices.shape)).get(axis, 1)
-
-
-def data_size(mesh: Mesh | None) -> int:
-    """The size of ``mesh``'s ``data`` axis (1 without a mesh or without that axis)."""
-    return axis_size(mesh, DATA)
+    return mesh.shape.get(axis, 1)
 
 
 def batch_for(batch_size: int, mesh: Mesh | None) -> int:
     """``batch_size`` rounded up to a multiple of the ``data`` axis (each data shard a whole share of targets)."""
-    size = data_size(mesh)
+    size = axis_size(mesh, DATA)
     return -(-batch_size // size) * size
 
 

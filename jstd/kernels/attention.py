@@ -242,8 +242,7 @@ def fused(
     once instead of copying it next to the token's own key; elsewhere they are concatenated first."""
     q, scale, options = checked_options(options).queries(q, scale)
     if past is not None and not (options.plain and sinks is None and platform() == "cpu"):
-        k, v = (jnp.concatenate([cached.astype(own.dtype), own], axis=2) for cached, own in zip(past, (k, v)))
-        past = None
+        (k, v), past = joined(past, k, v), None
     if sinks is not None:
         return mix(sink_probabilities(scores(q, k, scale, mask, options), sinks)[0], v)
     if not options.plain:
@@ -253,6 +252,15 @@ def fused(
         return grouped(q, k, v, scale, mask, bias, past)
     t = lambda x: jnp.swapaxes(x, 1, 2)
     return jax.nn.dot_product_attention(t(q), t(k), t(v), bias=bias, mask=mask, scale=scale)
+
+
+def joined(
+    past: tuple[Float[Array, "batch kv_heads cached dim"], Float[Array, "batch kv_heads cached dim"]],
+    k: Float[Array, "batch kv_heads k dim"], v: Float[Array, "batch kv_heads k dim"],
+) -> tuple[Float[Array, "batch kv_heads cached+k dim"], Float[Array, "batch kv_heads cached+k dim"]]:
+    """The cached ``(keys, values)`` then ``k`` and ``v``, on the key axis, in ``k``'s and ``v``'s dtypes (a copy of
+    the cache: what ``grouped`` avoids on the CPU's plain path)."""
+    return tuple(jnp.concatenate([cached.astype(own.dtype), own], axis=2) for cached, own in zip(past, (k, v)))
 
 
 def grouped(

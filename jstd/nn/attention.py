@@ -189,7 +189,7 @@ class Attention(eqx.Module):
             interior += ("self_attn.sink_probability",)
         explicit = self.frozen_pattern or s.touches(*interior)
         if past is not None and explicit:  # the scores span the cached keys then the tokens' own
-            k, v = (jnp.concatenate([cached.astype(own.dtype), own], axis=2) for cached, own in zip(past, (k, v)))
+            k, v = attn_kernels.joined(past, k, v)
         if explicit:
             scores = s("self_attn.attention_scores", attn_kernels.scores(q, k, self.scale, mask, self.score_options))
             probs = attn_kernels.probabilities(scores) if self.sinks is None else self.sunk(scores, s)
